@@ -1,0 +1,227 @@
+"""``rbpipe`` command line: argument parsing and presentation only; the work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rbpipe.errors import RbpipeError
+
+DESCRIPTION = """\
+rbpipe: shared, persistent GRPO replay buffers on torchrl.
+
+Collector processes sample a tiny language model, a shared MCAdvantage transform groups their
+trajectories across processes and computes group-relative advantages, whole groups are committed to an
+on-disk store (Arrow by default), and a learner process trains on them with torchrl's GRPO loss.
+"""
+
+EPILOG = """\
+examples:
+  rbpipe run                                  # 2 collectors + learner, new store under ./runs/
+  rbpipe run --collectors 4 --loss dapo --steps 400
+  rbpipe run --resume runs/20261202-120000-ab12cd
+  rbpipe inspect runs/<run>/store --limit 5
+  rbpipe inspect STORE --json --where "returns_mean > 0.5"
+  rbpipe stress --writers 4 --trajectories 4000 --kill-rate 0.001
+  rbpipe export STORE --zarr archive.zarr
+"""
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser(
+        "run", help="run the whole pipeline: collectors, shared grouping, store, learner",
+        description="Spawn collector processes and a learner around one shared MCAdvantage replay buffer "
+                    "persisted to disk, train until --steps, then print a summary and write a reward plot.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("processes and storage")
+    g.add_argument("--collectors", type=int, default=2, help="collector processes")
+    g.add_argument("--store", type=Path, help="store directory (default: RUN_DIR/store)")
+    g.add_argument("--run-dir", type=Path, help="run directory (default: a new folder under ./runs/)")
+    g.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a stopped or crashed run")
+    g.add_argument("--backend", choices=["arrow", "zarr"], default="arrow", help="storage backend")
+    g.add_argument("--grouping", choices=["rbpipe", "torchrl"], default="rbpipe",
+                   help="shared grouping transform: rbpipe's fast one or torchrl's stock shared MCAdvantage")
+    g = p.add_argument_group("grouping (torchrl MCAdvantage options)")
+    g.add_argument("--grpo-size", type=int, default=8, help="trajectories per group")
+    g.add_argument("--trajectory-return", choices=["sum", "max", "mean", "none"], default="sum",
+                   help="reduce each trajectory's rewards to a return ('none': per-step normalisation)")
+    g.add_argument("--keep-return-bounds", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                   help="dynamic sampling: drop groups whose mean return is outside (LOW, HIGH)")
+    g.add_argument("--candidate-group-size", type=int, help="oversample this many candidates per group")
+    g.add_argument("--selector", choices=["first", "uniform", "balanced"], default="balanced",
+                   help="how to pick grpo_size trajectories among the candidates")
+    g = p.add_argument_group("rollouts and learner")
+    g.add_argument("--steps", type=int, default=300, help="learner steps")
+    g.add_argument("--groups-per-step", type=int, default=8, help="whole groups per learner step")
+    g.add_argument("--lr", type=float, default=1e-3, help="learning rate (0 = a control run that cannot learn)")
+    g.add_argument("--temperature", type=float, default=1.0, help="collectors' sampling temperature")
+    g.add_argument("--max-new-tokens", type=int, default=3, help="response length")
+    g.add_argument("--max-policy-lag", type=int, default=4,
+                   help="skip groups sampled by a policy more than this many versions old")
+    g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("loss")
+    g.add_argument("--loss", choices=["grpo", "dapo", "cispo"], default="grpo", help="policy objective")
+    g.add_argument("--loss-agg-mode", default="token-mean",
+                   choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+    g.add_argument("--kl-type", default="k3", choices=["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"])
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0 = off)")
+    g.add_argument("--rollout-is", choices=["token", "sequence", "geometric"],
+                   help="rollout importance sampling level (off by default; mismatch metrics always logged)")
+    g.add_argument("--rollout-is-mode", choices=["truncate", "mask", "both"], default="truncate")
+    g.add_argument("--rollout-is-threshold", type=float, nargs=2, metavar=("LOWER", "UPPER"),
+                   help="IS weight bounds (LOWER < UPPER)")
+    g.add_argument("--rollout-is-veto", type=float, nargs=2, metavar=("LOWER", "UPPER"),
+                   help="mask a whole sequence if any token weight is outside these bounds")
+    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="list the groups stored in a store (reads only; never blocks writers)",
+                       description="Summarise a store and list its latest committed groups from the "
+                                   "Parquet catalogue (pyarrow). Never needs the writer lock.")
+    p.add_argument("store", type=Path, help="store directory")
+    p.add_argument("--json", action="store_true", help='print {"groups": [...], ...} as JSON')
+    p.add_argument("--group", help="show only this group id")
+    p.add_argument("--where", help='filter, e.g. "returns_mean > 0.5" or "group_id == 3"')
+    p.add_argument("--limit", type=int, default=20, help="latest N groups (0 = all)")
+
+
+def _add_stress(sub) -> None:
+    p = sub.add_parser("stress", help="hammer the shared grouping with writer processes and verify the store",
+                       description="W writer processes push N trajectories with random group interleavings "
+                                   "and rewards (optionally killing writers), then verify from the store: "
+                                   "nothing lost or duplicated, groups whole, advantages exact.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--writers", type=int, default=4)
+    p.add_argument("--trajectories", type=int, default=2000)
+    p.add_argument("--group-size", type=int, help="grpo_size (random per run when omitted)")
+    p.add_argument("--payload", choices=["16x64", "tok1024", "small"], default="small")
+    p.add_argument("--interleave", choices=["random", "round-robin", "grouped"], default="random")
+    p.add_argument("--kill-rate", type=float, default=0.0, help="probability per trajectory of SIGKILLing a writer")
+    p.add_argument("--dynamic-sampling", action="store_true", help="drop all-0/all-1 groups")
+    p.add_argument("--grouping", choices=["rbpipe", "torchrl", "both"], default="rbpipe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--store", type=Path, help="keep the store here (default: a temporary directory)")
+    p.add_argument("--json", action="store_true")
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="export a store's committed groups to another format",
+                       description="Copy every committed group of STORE into a Zarr store (chunk = one group).")
+    p.add_argument("store", type=Path)
+    p.add_argument("--zarr", type=Path, required=True, metavar="OUT", help="output Zarr store directory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rbpipe", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    _add_inspect(sub)
+    _add_stress(sub)
+    _add_export(sub)
+    return parser
+
+
+def _run(args) -> int:
+    from rbpipe.config import RunConfig
+    from workers.launcher import launch
+
+    loss = {"loss": args.loss, "loss_agg_mode": args.loss_agg_mode, "kl_type": args.kl_type,
+            "kl_coef": args.kl_coef, "rollout_is": args.rollout_is, "rollout_is_mode": args.rollout_is_mode}
+    if args.rollout_is_threshold:
+        loss["rollout_is_threshold"] = tuple(args.rollout_is_threshold)
+    if args.rollout_is_veto:
+        loss["rollout_is_veto"] = tuple(args.rollout_is_veto)
+    cfg = RunConfig(
+        collectors=args.collectors, grouping=args.grouping, backend=args.backend, grpo_size=args.grpo_size,
+        trajectory_return=None if args.trajectory_return == "none" else args.trajectory_return,
+        keep_return_bounds=tuple(args.keep_return_bounds) if args.keep_return_bounds else None,
+        candidate_group_size=args.candidate_group_size, selector=args.selector, steps=args.steps,
+        groups_per_step=args.groups_per_step, lr=args.lr, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
+        micro_batches=args.micro_batches, seed=args.seed, loss=loss)
+    from rbpipe.loss import LossConfig
+
+    LossConfig(**cfg.loss)  # validate before any process starts
+    summary = launch(cfg, run_dir=args.run_dir, store=args.store, resume=args.resume,
+                     progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(summary, default=str))
+    return 0 if summary["status"] == "done" else 1
+
+
+def _inspect(args) -> int:
+    from rbpipe.storage import inspect_store
+
+    limit = None if args.limit == 0 else args.limit
+    info = inspect_store(args.store, where=args.where, group=args.group, limit=limit)
+    if args.json:
+        print(json.dumps(info, default=str))
+        return 0
+    print(f"store {info['store']}  backend={info['backend']}  format v{info['format_version']}  "
+          f"groups={info['groups_committed']}  rows={info['rows']}")
+    if info.get("torn_tail"):
+        print(f"note: ignored an uncommitted tail: {info['torn_tail']}")
+    header = f"{'group_id':>8}  {'n':>3}  {'returns':<26} {'advantages':<34} {'collectors':<18} versions"
+    print(header)
+    for g in info["groups"]:
+        rets = " ".join(f"{x:g}" for x in g.get("returns", []))
+        advs = " ".join(f"{x:+.2f}" for x in g.get("advantages", []))
+        cols = " ".join(str(int(x)) for x in g.get("collectors", []))
+        vers = " ".join(str(int(x)) for x in g.get("policy_versions", []))
+        print(f"{str(g['group_id']):>8}  {g.get('members', len(g.get('returns', []))):>3}  {rets[:26]:<26} "
+              f"{advs[:34]:<34} {cols[:18]:<18} {vers}")
+    return 0
+
+
+def _stress(args) -> int:
+    from rbpipe.stress import format_stress_table, run_stress
+
+    impls = ["rbpipe", "torchrl"] if args.grouping == "both" else [args.grouping]
+    results = []
+    for impl in impls:
+        results.append(run_stress(writers=args.writers, trajectories=args.trajectories,
+                                  group_size=args.group_size, payload=args.payload, interleave=args.interleave,
+                                  kill_rate=args.kill_rate, seed=args.seed, grouping=impl,
+                                  store=args.store if impl == impls[0] else None,
+                                  dynamic_sampling=args.dynamic_sampling))
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else {"results": results}, default=str))
+    else:
+        for r in results:
+            print(format_stress_table(r))
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+def _export(args) -> int:
+    from rbpipe.storage import export_zarr
+
+    n = export_zarr(args.store, args.zarr)
+    print(f"exported {n} groups from {args.store} to {args.zarr}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handlers = {"run": _run, "inspect": _inspect, "stress": _stress, "export": _export}
+    try:
+        return handlers[args.command](args)
+    except RbpipeError as err:
+        print(f"rbpipe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"rbpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``RunConfig``: every knob of ``rbpipe run`` in one validated object (the CLI only fills it in)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rbpipe.errors import ConfigError
+from rbpipe.policy import PolicyConfig
+
+
+@dataclass
+class RunConfig:
+    # processes
+    collectors: int = 2
+    grouping: str = "rbpipe"  # "rbpipe" (fast shared MCAdvantage) | "torchrl" (stock, the baseline)
+    backend: str = "arrow"  # "arrow" | "zarr"
+    # grouping (torchrl MCAdvantage options)
+    grpo_size: int = 8
+    trajectory_return: str | None = "sum"
+    keep_return_bounds: tuple[float, float] | None = None
+    candidate_group_size: int | None = None
+    selector: str = "balanced"
+    # task and rollouts
+    max_new_tokens: int = 3
+    temperature: float = 1.0
+    seed: int = 0
+    # learner
+    steps: int = 300
+    groups_per_step: int = 8
+    lr: float = 1e-3
+    micro_batches: int = 1
+    max_policy_lag: int = 4
+    max_lead_groups: int = 24
+    checkpoint_every: int = 50
+    target_reward: float | None = None  # stop early once the last 10 steps average at least this
+    loss: dict[str, Any] = field(default_factory=dict)  # LossConfig keyword arguments
+    # supervision
+    max_restarts: int = 3
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        if self.collectors < 1:
+            raise ConfigError(f"--collectors must be at least 1, got {self.collectors}")
+        if self.grpo_size < 2:
+            raise ConfigError(f"--grpo-size must be at least 2 (advantages are relative to the group), "
+                              f"got {self.grpo_size}")
+        if self.grouping not in ("rbpipe", "torchrl"):
+            raise ConfigError(f"--grouping must be 'rbpipe' or 'torchrl', got {self.grouping!r}")
+        if self.backend not in ("arrow", "zarr"):
+            raise ConfigError(f"--backend must be 'arrow' or 'zarr', got {self.backend!r}")
+        if self.trajectory_return not in (None, "sum", "max", "mean"):
+            raise ConfigError(f"--trajectory-return must be sum, max or mean, got {self.trajectory_return!r}")
+        if self.keep_return_bounds is not None:
+            lo, hi = self.keep_return_bounds
+            if not lo < hi:
+                raise ConfigError(f"--keep-return-bounds LOW HIGH needs LOW < HIGH, got {lo} {hi}")
+            self.keep_return_bounds = (float(lo), float(hi))
+        if self.candidate_group_size is not None and self.candidate_group_size < self.grpo_size:
+            raise ConfigError(f"--candidate-group-size ({self.candidate_group_size}) must be >= --grpo-size "
+                              f"({self.grpo_size})")
+        if self.selector not in ("first", "uniform", "balanced"):
+            raise ConfigError(f"--selector must be first, uniform or balanced, got {self.selector!r}")
+        for name in ("steps", "groups_per_step", "max_new_tokens", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr < 0:
+            raise ConfigError(f"--lr must be >= 0, got {self.lr}")
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
+        if self.max_new_tokens + 7 > self.policy.max_positions:
+            raise ConfigError(f"--max-new-tokens {self.max_new_tokens} does not fit the model's "
+                              f"{self.policy.max_positions} positions")
+
+    def share_of(self, collector_id: int) -> int:
+        """How many of each prompt's samples collector ``collector_id`` produces (split as evenly as possible)."""
+        base, extra = divmod(self.samples_per_prompt, self.collectors)
+        return base + (1 if collector_id < extra else 0)
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.candidate_group_size or self.grpo_size
+
+    def grouping_kwargs(self) -> dict[str, Any]:
+        from torchrl.objectives.llm import MCAdvantageSelector
+
+        return dict(
+            grpo_size=self.grpo_size,
+            trajectory_return=self.trajectory_return,
+            keep_return_bounds=self.keep_return_bounds,
+            candidate_group_size=self.candidate_group_size,
+            candidate_selector=MCAdvantageSelector(self.selector),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["policy"] = self.policy.to_dict()
+        return d
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RunConfig":
+        data = dict(data)
+        data["policy"] = PolicyConfig(**data.get("policy", {}))
+        if data.get("keep_return_bounds") is not None:
+            data["keep_return_bounds"] = tuple(data["keep_return_bounds"])
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2))

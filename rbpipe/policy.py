@@ -1,0 +1,105 @@
+"""The tiny causal LM used by collectors and learner, built from a config in code (no downloads).
+
+A 2-layer ``Qwen2`` model over a 14-token vocabulary and a ``tokenizers`` WordLevel tokenizer. Rollouts
+use a short explicit sampling loop so the rollout log-probs are exact; the learner recomputes
+log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which ``GRPOLoss`` drives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+PAD_ID, EOS_ID, BOS_ID, EQUALS_ID, DIGIT0_ID = 0, 1, 2, 3, 4
+VOCAB = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID, "=": EQUALS_ID,
+         **{str(d): DIGIT0_ID + d for d in range(10)}}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 32
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_tokenizer():
+    """A WordLevel tokenizer over digits and a few specials, made in code."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
+
+
+def build_model(cfg: PolicyConfig = PolicyConfig()) -> torch.nn.Module:
+    """A randomly initialised Qwen2ForCausalLM, identical for the same config (seeded)."""
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    config = Qwen2Config(
+        vocab_size=len(VOCAB), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_positions,
+        pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID, tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        model = Qwen2ForCausalLM(config)
+    return model.eval()
+
+
+def build_learner_actor(model: torch.nn.Module):
+    """torchrl's TransformersWrapper in log-prob mode: the ``actor_network`` of ``GRPOLoss``."""
+    from torchrl.modules.llm import TransformersWrapper
+
+    return TransformersWrapper(model, tokenizer=build_tokenizer(), input_mode="tokens",
+                               generate=False, return_log_probs=True, pad_output=False)
+
+
+@torch.no_grad()
+def sample_responses(model: torch.nn.Module, prompt: torch.Tensor, num_samples: int, *,
+                     max_new_tokens: int = 3, temperature: float = 1.0,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``num_samples`` responses to one prompt; return ``(tokens, log_probs)``, each ``[n, R]``.
+
+    The log-probs are those of the *sampling* distribution (softmax(logits / temperature)): what a
+    rollout engine reports, which rollout importance sampling compares with the learner's.
+    """
+    seq = prompt.reshape(1, -1).expand(num_samples, -1).clone()
+    tokens, log_probs, past = [], [], None
+    step_input = seq
+    for _ in range(max_new_tokens):
+        out = model(input_ids=step_input, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1, :].float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=generator)
+        tokens.append(nxt)
+        log_probs.append(logp.gather(-1, nxt))
+        step_input = nxt
+    return torch.cat(tokens, -1), torch.cat(log_probs, -1)
+
+
+def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
+    """All parameters as one float32 vector (what the learner publishes)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def load_flat_parameters(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view_as(p))
+            offset += n

@@ -1,0 +1,92 @@
+"""Turn a finished run into ``summary.json``, a table for people and a PNG of the learning curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "summary.json"
+PLOT = "reward.png"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Learner metrics, one JSON object per line; a torn last line (crash mid-write) is skipped."""
+    records = []
+    if not Path(path).exists():
+        return records
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def first_last_fraction(values: list[float], fraction: float = 0.2) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    k = max(1, int(round(len(values) * fraction)))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def plot_rewards(records: list[dict[str, Any]], out: Path, title: str = "rbpipe run") -> Path | None:
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    rewards = [r["reward_mean"] for r in records]
+    window = max(1, len(rewards) // 20)
+    smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
+              for i in range(len(rewards))]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, rewards, color="#9ecae1", linewidth=1, label="mean reward of the step's batch")
+    ax.plot(steps, smooth, color="#08519c", linewidth=2, label=f"moving average ({window} steps)")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """A plain-text two-column table (no terminal features needed, so logs stay readable)."""
+    rows = [
+        ("trajectories produced", summary.get("produced")),
+        ("  rejected (bad input)", summary.get("rejected")),
+        ("  written to the store", summary.get("written")),
+        ("  dropped (dynamic sampling)", summary.get("dropped")),
+        ("  unselected (oversampling)", summary.get("unselected")),
+        ("  still queued (incomplete groups)", summary.get("queued")),
+        ("conservation holds", summary.get("conservation_ok")),
+        ("groups written / dropped", f"{summary.get('groups_written')} / {summary.get('groups_dropped')}"),
+        ("group size (grpo_size)", summary.get("grpo_size")),
+        ("learner steps", summary.get("learner_steps")),
+        ("stale trajectories skipped", summary.get("stale_trajectories")),
+        ("mean reward, first 20% of steps", _fmt(summary.get("reward_first20"))),
+        ("mean reward, last 20% of steps", _fmt(summary.get("reward_last20"))),
+        ("collector restarts", summary.get("restarts")),
+        ("duration", f"{summary.get('duration_s', 0):.1f} s"),
+        ("store", summary.get("store")),
+        ("plot", summary.get("plot")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * 40 + "+"
+    out = [line]
+    for key, value in rows:
+        out.append(f"| {key:<{width}} | {str(value):<38} |")
+    out.append(line)
+    return "\n".join(out)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

@@ -1,0 +1,134 @@
+"""``FreshGroupSampler``: the learner's torchrl ``Sampler`` over whole committed groups.
+
+GRPO needs every member of a group in the same batch (the advantages are relative to the group), wants
+each group trained on once (on-policy), and must skip groups sampled by a policy that is too old. torchrl's
+``PromptGroupSampler`` replays groups forever and rebuilds its index from ``storage[:]``; this sampler reads
+the storage's group spans (one cheap call) and the ``policy_version`` column of fresh groups only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.samplers import Sampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from rbpipe.schema import VERSION_KEY
+
+
+class FreshGroupSampler(Sampler):
+    """Draw ``num_groups`` whole, unconsumed, fresh groups (oldest first).
+
+    Keyword Args:
+        num_groups: groups per batch; ``batch_size`` passed to ``sample`` is ignored in favour of whole groups.
+        consume: when True (default) a group is returned at most once.
+        max_staleness: a group whose *oldest* member was sampled with policy version
+            ``< consumer_version - max_staleness`` is skipped for good and counted in ``stale_groups``.
+            ``None`` disables the limit.
+        version_key: column holding each trajectory's policy version.
+    """
+
+    def __init__(self, *, num_groups: int, consume: bool = True, max_staleness: int | None = None,
+                 version_key=VERSION_KEY) -> None:
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_groups = int(num_groups)
+        self.consume = consume
+        self.max_staleness = max_staleness
+        self.version_key = version_key
+        self.consumer_version = 0
+        self._watermark = 0  # every span before this position is consumed or retired as stale
+        self._done: set[int] = set()  # sequence numbers consumed/retired past the watermark
+        self._rng = None
+        self.consumed_groups = 0
+        self.stale_groups = 0
+        self.stale_trajectories = 0
+
+    # -- what is available -------------------------------------------------------------------------------------
+    def _fresh_spans(self, storage: Storage) -> torch.Tensor:
+        """Spans still to be trained on, oldest first; stale ones are retired (and counted) on sight.
+
+        Staleness only grows (``consumer_version`` never decreases), so a group found stale stays stale.
+        """
+        spans = storage.group_spans()[self._watermark:]
+        if spans.numel() == 0:
+            return spans.reshape(0, 3)
+        todo = torch.tensor([int(s) not in self._done for s in spans[:, 0].tolist()], dtype=torch.bool)
+        spans = spans[todo]
+        if self.max_staleness is not None and spans.shape[0]:
+            lengths = spans[:, 2] - spans[:, 1]
+            rows = torch.cat([torch.arange(int(a), int(b)) for a, b in spans[:, 1:].tolist()])
+            versions = storage.read_column(self.version_key, rows).reshape(-1)
+            group_of_row = torch.repeat_interleave(torch.arange(spans.shape[0]), lengths)
+            oldest = torch.full((spans.shape[0],), torch.iinfo(torch.int64).max, dtype=torch.int64)
+            oldest = oldest.scatter_reduce(0, group_of_row, versions.long(), reduce="amin")
+            stale = oldest < self.consumer_version - self.max_staleness
+            if self.consume:
+                for seq, length in zip(spans[stale, 0].tolist(), lengths[stale].tolist()):
+                    self._done.add(int(seq))
+                    self.stale_groups += 1
+                    self.stale_trajectories += int(length)
+                self._advance_watermark(storage)
+            spans = spans[~stale]
+        return spans
+
+    def _advance_watermark(self, storage: Storage) -> None:
+        seqs = storage.group_spans()[self._watermark:, 0].tolist()
+        for seq in seqs:
+            if int(seq) not in self._done:
+                break
+            self._done.discard(int(seq))
+            self._watermark += 1
+
+    def available_groups(self, storage: Storage) -> int:
+        return int(self._fresh_spans(storage).shape[0])
+
+    def can_sample(self, storage: Storage, batch_size: int | None = None) -> bool:
+        return self.available_groups(storage) >= self.num_groups
+
+    def sample(self, storage: Storage, batch_size: int | None = None) -> tuple[torch.Tensor, dict]:
+        fresh = self._fresh_spans(storage)
+        if fresh.shape[0] < self.num_groups:
+            raise RuntimeError(
+                f"only {fresh.shape[0]} fresh group(s) available, {self.num_groups} needed; "
+                "check can_sample() first or wait for the collectors"
+            )
+        if self.consume:
+            chosen = fresh[: self.num_groups]
+            self._done.update(int(s) for s in chosen[:, 0].tolist())
+            self.consumed_groups += self.num_groups
+            self._advance_watermark(storage)
+        else:
+            pick = torch.randperm(fresh.shape[0], generator=self._rng)[: self.num_groups]
+            chosen = fresh[pick]
+        index = torch.cat([torch.arange(int(s), int(e)) for _, s, e in chosen.tolist()])
+        return index, {"group_seq": chosen[:, 0].clone(), "group_spans": chosen.clone()}
+
+    # -- torchrl Sampler plumbing ------------------------------------------------------------------------------
+    def _empty(self) -> None:
+        self._watermark = 0
+        self._done.clear()
+        self.consumed_groups = self.stale_groups = self.stale_trajectories = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"watermark": self._watermark, "done": sorted(self._done), "consumer_version": self.consumer_version,
+                "consumed_groups": self.consumed_groups, "stale_groups": self.stale_groups,
+                "stale_trajectories": self.stale_trajectories}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._watermark = int(state_dict["watermark"])
+        self._done = set(int(s) for s in state_dict["done"])
+        self.consumer_version = int(state_dict["consumer_version"])
+        self.consumed_groups = int(state_dict["consumed_groups"])
+        self.stale_groups = int(state_dict["stale_groups"])
+        self.stale_trajectories = int(state_dict["stale_trajectories"])
+
+    def dumps(self, path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "sampler_state.json").write_text(json.dumps(self.state_dict()))
+
+    def loads(self, path) -> None:
+        self.load_state_dict(json.loads((Path(path) / "sampler_state.json").read_text()))

@@ -1,0 +1,119 @@
+"""The trajectory layout shared by collectors, grouping, storage and learner.
+
+One trajectory is one LLM turn: a ``TensorDict`` with ``batch_size=[1]`` (one step, done at the end,
+as torchrl's ``MCAdvantage`` expects). Prompt and response lengths vary between trajectories, so the
+token fields are *ragged across rows*; storages keep them without padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from rbpipe.errors import BadTrajectoryError
+
+GROUP_KEY = "group_id"
+REWARD_KEY = ("next", "reward")
+DONE_KEY = ("next", "done")
+ADVANTAGE_KEY = "advantage"
+PROMPT_TOKENS_KEY = ("tokens", "prompt")
+RESPONSE_TOKENS_KEY = ("tokens", "response")
+ROLLOUT_LOG_PROBS_KEY = ("log_probs", "rollout")
+COLLECTOR_KEY = "collector_id"
+VERSION_KEY = "policy_version"
+
+#: Fields whose trailing shape differs between trajectories.
+RAGGED_KEYS = (PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, ROLLOUT_LOG_PROBS_KEY)
+#: Fields every trajectory must carry before it may enter the buffer.
+REQUIRED_KEYS = (GROUP_KEY, REWARD_KEY, DONE_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY,
+                 ROLLOUT_LOG_PROBS_KEY, COLLECTOR_KEY, VERSION_KEY)
+
+
+def make_trajectory(
+    *,
+    group_id: int,
+    prompt: torch.Tensor,
+    response: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    reward: float,
+    collector_id: int,
+    policy_version: int,
+) -> TensorDict:
+    """Build one finished trajectory in the layout above."""
+    return TensorDict(
+        {
+            GROUP_KEY: torch.tensor([group_id], dtype=torch.int64),
+            "tokens": TensorDict(
+                prompt=prompt.reshape(1, -1).to(torch.int64),
+                response=response.reshape(1, -1).to(torch.int64),
+                batch_size=[1],
+            ),
+            "log_probs": TensorDict(
+                rollout=rollout_log_probs.reshape(1, -1).to(torch.float32), batch_size=[1]
+            ),
+            "next": TensorDict(
+                reward=torch.tensor([[reward]], dtype=torch.float32),
+                done=torch.ones(1, 1, dtype=torch.bool),
+                batch_size=[1],
+            ),
+            COLLECTOR_KEY: torch.tensor([collector_id], dtype=torch.int64),
+            VERSION_KEY: torch.tensor([policy_version], dtype=torch.int64),
+        },
+        batch_size=[1],
+    )
+
+
+def _key_name(key) -> str:
+    return ".".join(key) if isinstance(key, tuple) else str(key)
+
+
+def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
+                        reward_key=REWARD_KEY, done_key=DONE_KEY) -> None:
+    """Reject a malformed trajectory *before* it touches shared state.
+
+    Raises :class:`BadTrajectoryError` naming the problem and the fix. Nothing is queued or stored.
+    """
+    if not isinstance(td, TensorDictBase):
+        raise BadTrajectoryError(
+            f"expected a TensorDict trajectory, got {type(td).__name__}; build it with "
+            "rbpipe.schema.make_trajectory(...)"
+        )
+    present = set(td.keys(True, True))
+    missing = [k for k in required if k not in present]
+    if missing:
+        names = ", ".join(_key_name(k) for k in missing)
+        have = ", ".join(sorted(_key_name(k) for k in present))
+        raise BadTrajectoryError(
+            f"trajectory is missing required key(s) {names} (it has: {have}). "
+            "Check the spelling, or set the key names with the grouping options."
+        )
+    if td.ndim != 1 or td.shape[0] < 1:
+        raise BadTrajectoryError(
+            f"a trajectory must have batch_size=[T] with T >= 1 steps, got {tuple(td.shape)}"
+        )
+    done = td.get(done_key)
+    if not bool(done[-1].all()):
+        raise BadTrajectoryError(
+            "trajectory is unfinished: its last step is not done "
+            f"({_key_name(done_key)}[-1] is False). Only hand over trajectories that ended; "
+            "set done=True on the last step."
+        )
+    reward = td.get(reward_key)
+    if not torch.is_floating_point(reward):
+        raise BadTrajectoryError(
+            f"reward {_key_name(reward_key)} has dtype {reward.dtype}; rewards must be floating "
+            "point (cast with .float())."
+        )
+    if not bool(torch.isfinite(reward).all()):
+        bad = reward[~torch.isfinite(reward)].flatten()[:3].tolist()
+        raise BadTrajectoryError(
+            f"reward {_key_name(reward_key)} is not finite ({', '.join(map(str, bad))}): a NaN or "
+            "inf reward would turn every advantage of its group into NaN. Fix the reward function "
+            "(or replace non-finite rewards by a number) before handing the trajectory over."
+        )
+
+
+def is_finite_number(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

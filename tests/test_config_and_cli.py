@@ -1,0 +1,65 @@
+"""Configuration validation and the command line's help and plain-words errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rbpipe.cli import build_parser, main
+from rbpipe.config import RunConfig
+from rbpipe.errors import ConfigError
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(collectors=0), "--collectors"),
+    (dict(grpo_size=1), "--grpo-size"),
+    (dict(keep_return_bounds=(0.9, 0.1)), "LOW < HIGH"),
+    (dict(candidate_group_size=4, grpo_size=8), "--candidate-group-size"),
+    (dict(grouping="fast"), "--grouping"),
+    (dict(lr=-1.0), "--lr"),
+])
+def test_impossible_configs_are_rejected_in_plain_words(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        RunConfig(**kwargs)
+
+
+def test_samples_of_a_prompt_are_split_across_collectors():
+    cfg = RunConfig(collectors=3, grpo_size=8)
+    assert [cfg.share_of(c) for c in range(3)] == [3, 3, 2]
+    assert sum(cfg.share_of(c) for c in range(3)) == cfg.grpo_size
+
+
+def test_config_round_trips_through_json():
+    cfg = RunConfig(keep_return_bounds=(0.1, 0.9), loss={"loss": "dapo"})
+    again = RunConfig.from_json(cfg.to_json())
+    assert again == cfg
+
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "rbpipe.cli", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0
+    for command in ("run", "inspect", "stress", "export"):
+        assert command in out.stdout
+    for command in ("run", "inspect", "stress", "export"):
+        build_parser().parse_args([command, "x"] if command in ("inspect",) else
+                                  [command, "x", "--zarr", "y"] if command == "export" else [command])
+
+
+def test_store_path_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    not_a_store = tmp_path / "file.txt"
+    not_a_store.write_text("hello")
+    code = main(["run", "--store", str(not_a_store), "--no-progress", "--steps", "1",
+                 "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "is a file" in err and "Traceback" not in err
+
+
+def test_inspect_of_a_path_that_is_not_a_store_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["inspect", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "store" in err and "Traceback" not in err

@@ -1,0 +1,68 @@
+"""Collector process: sample this collector's share of every prompt's group and hand it to the buffer.
+
+Every collector walks the same prompt sequence, so the ``grpo_size`` samples of prompt ``i`` come from
+several processes and only the shared grouping transform can complete the group.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from rbpipe.config import RunConfig
+from rbpipe.errors import BadTrajectoryError
+from rbpipe.policy import build_model, sample_responses
+from rbpipe.schema import make_trajectory
+from rbpipe.task import CopyFirstDigitTask
+from rbpipe.weights import SharedWeights
+from workers.control import CONSUMED_GROUPS, RunCounters
+
+
+def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeights,
+                  counters: RunCounters, stop_event) -> None:
+    torch.set_num_threads(1)  # one core per process; avoids oversubscription on small machines
+    model = build_model(cfg.policy)
+    version = weights.load_into(model)
+    task = CopyFirstDigitTask(seed=cfg.seed)
+    share = cfg.share_of(collector_id)
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + collector_id * 104_729 + counters.prompt_cursor(collector_id))
+    index = counters.prompt_cursor(collector_id)
+    while not stop_event.is_set():
+        if share == 0:
+            time.sleep(0.1)
+            continue
+        # flow control: stay at most max_lead_groups prompts ahead of what the learner consumed
+        if index - counters.get(CONSUMED_GROUPS) > cfg.max_lead_groups:
+            time.sleep(0.005)
+            continue
+        if weights.version != version:
+            version = weights.load_into(model)
+        prompt = task.prompt(index)
+        tokens, log_probs = sample_responses(model, prompt, share, max_new_tokens=cfg.max_new_tokens,
+                                             temperature=cfg.temperature, generator=gen)
+        for response, lp in zip(tokens, log_probs):
+            traj = make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
+                                   reward=task.reward(prompt, response), collector_id=collector_id,
+                                   policy_version=version)
+            counters.add_produced(collector_id)
+            try:
+                buffer.extend(traj)
+            except BadTrajectoryError as err:  # rejected before touching shared state: counted, not lost
+                counters.add_rejected(collector_id)
+                print(f"[collector {collector_id}] rejected a trajectory: {err}", flush=True)
+        index += 1
+        counters.set_prompt_cursor(collector_id, index)
+
+
+def collector_entry(*args) -> None:
+    """Process target: run, and turn an exception into a one-line reason plus exit code 1."""
+    try:
+        run_collector(*args)
+    except KeyboardInterrupt:
+        pass
+    except Exception as err:  # noqa: BLE001 - reported by the supervisor
+        print(f"[collector {args[0]}] failed: {type(err).__name__}: {err}", flush=True)
+        traceback.print_exc()
+        raise SystemExit(1)

@@ -1,0 +1,270 @@
+"""Launcher and supervisor: build the shared buffer, spawn collectors and the learner, watch them, report.
+
+Start method: ``multiprocess`` with **spawn**. Fork would copy a parent that already ran multi-threaded
+torch ops (a child can then hang in OpenMP while holding a write lock) and share lazily-allocated storages
+by accident; spawn starts clean interpreters and every shared object travels explicitly (manager proxies,
+paths of memory-mapped files and of the store).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+
+from rbpipe.buffer import make_replay_buffer, start_manager
+from rbpipe.config import RunConfig
+from rbpipe.errors import ManagerDiedError, RbpipeError, StoreError
+from rbpipe.policy import build_model
+from rbpipe.report import PLOT, SUMMARY, first_last_fraction, plot_rewards, read_metrics, summary_table
+from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
+from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
+from rbpipe.weights import SharedWeights, default_weights_dir
+from workers.collector import collector_entry
+from workers.control import LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
+from workers.learner import METRICS, learner_entry
+
+CONFIG = "config.json"
+
+
+@dataclass
+class Worker:
+    name: str
+    target: Any
+    args: tuple
+    process: Any = None
+    restarts: int = 0
+    next_start: float = 0.0
+    exits: list[str] = field(default_factory=list)
+
+
+def exit_cause(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return "exited normally" if exitcode == 0 else f"exited with code {exitcode}"
+
+
+def new_run_dir(root: Path = Path("runs")) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = root / f"{stamp}-{uuid.uuid4().hex[:6]}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+def open_storage_for_run(cfg: RunConfig, store: Path):
+    if store.exists() and not store.is_dir():
+        raise StoreError(f"--store {store} is a file, not a store directory: pass a new or existing "
+                         "store directory (rbpipe creates it)")
+    cls = ArrowStorage if cfg.backend == "arrow" else ZarrStorage
+    return cls(store, ragged_keys=RAGGED_KEYS, group_key=GROUP_KEY)
+
+
+def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: Path | None = None,
+           resume: Path | None = None, progress: bool = True, log=print) -> dict[str, Any]:
+    """Run a whole pipeline and return the summary (also written to ``RUN_DIR/summary.json``)."""
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / CONFIG).exists():
+            raise RbpipeError(f"--resume {run_dir}: no {CONFIG} there; pass the run directory printed by a "
+                              "previous `rbpipe run`")
+        saved = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
+        if cfg is not None:
+            saved.steps = cfg.steps  # allow extending a run
+        cfg = saved
+        store = Path(json.loads((run_dir / "run.json").read_text())["store"])
+    else:
+        cfg = cfg or RunConfig()
+        run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        store = Path(store) if store is not None else run_dir / "store"
+        cfg.save(run_dir / CONFIG)
+        (run_dir / "run.json").write_text(json.dumps({"store": str(store.resolve())}))
+    store = store.resolve()
+    t0 = time.time()
+    ctx = multiprocess.get_context("spawn")
+
+    storage = open_storage_for_run(cfg, store)
+    lock = WriterLock(store)
+    lock.acquire()
+    manager = None
+    weights = counters = None
+    workers: list[Worker] = []
+    stop = ctx.Event()
+    try:
+        manager = start_manager()
+        buffer = make_replay_buffer(storage, grouping=cfg.grouping, manager=manager,
+                                    staging_dir=store / "staging", **cfg.grouping_kwargs())
+        model = build_model(cfg.policy)
+        numel = sum(p.numel() for p in model.parameters())
+        weights = SharedWeights(default_weights_dir(run_dir) / f"rbpipe-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                numel, create=True)
+        ckpt = run_dir / "checkpoint.pt"
+        if ckpt.exists():
+            import torch
+
+            model.load_state_dict(torch.load(ckpt, weights_only=False)["model"])
+        weights.publish(model, version=0)
+        counters = RunCounters(run_dir / "counters.bin", cfg.collectors, create=resume is None)
+        counters.set(LEARNER_DONE, 0)
+
+        workers.append(Worker("learner", learner_entry, (cfg, storage, weights, counters, stop, str(run_dir))))
+        for cid in range(cfg.collectors):
+            workers.append(Worker(f"collector {cid}", collector_entry, (cid, cfg, buffer, weights, counters, stop)))
+        for w in workers:
+            _start(ctx, w)
+        status = _supervise(cfg, workers, buffer, counters, run_dir, stop, progress=progress, log=log)
+    finally:
+        stop.set()
+        _stop_all(workers)
+        stats = _final_stats(locals().get("buffer"))
+        if manager is not None:
+            try:
+                manager.shutdown()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if weights is not None:
+            weights.unlink()
+        lock.release()
+    status = locals().get("status", "interrupted")
+    summary = _summarize(cfg, run_dir, store, storage, stats, counters, workers, t0, status)
+    log(summary_table(summary))
+    return summary
+
+
+def _start(ctx, w: Worker) -> None:
+    w.process = ctx.Process(target=w.target, args=w.args, name=f"rbpipe {w.name}", daemon=True)
+    w.process.start()
+
+
+def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCounters, run_dir: Path, stop,
+               *, progress: bool, log) -> str:
+    """Watch workers until the learner finishes; restart dead collectors with back-off."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, desc="learner steps", unit="step", disable=not progress, dynamic_ncols=True)
+    learner = workers[0]
+    metrics_path = run_dir / METRICS
+    last_reward = None
+    last_t, last_written = time.time(), 0
+    try:
+        while True:
+            time.sleep(0.25)
+            if counters.get(LEARNER_DONE):
+                return "done"
+            if not learner.process.is_alive():
+                cause = exit_cause(learner.process.exitcode)
+                log(f"learner {cause}; stopping the run (resume it with: rbpipe run --resume {run_dir})")
+                return f"learner {cause}"
+            for w in workers[1:]:
+                if w.process is not None and not w.process.is_alive():
+                    cause = exit_cause(w.process.exitcode)
+                    w.exits.append(cause)
+                    w.process = None
+                    if w.restarts >= cfg.max_restarts:
+                        log(f"{w.name} {cause}; restart limit ({cfg.max_restarts}) reached, stopping the run")
+                        return f"{w.name} {cause}"
+                    delay = min(8.0, 0.5 * 2 ** w.restarts)
+                    log(f"{w.name} {cause}; restarting in {delay:.1f}s ({w.restarts + 1}/{cfg.max_restarts})")
+                    w.next_start = time.time() + delay
+                    w.restarts += 1
+                elif w.process is None and time.time() >= w.next_start:
+                    _start(multiprocess.get_context("spawn"), w)
+            step = counters.get(LEARNER_STEP)
+            bar.n = step
+            recs = _tail_metrics(metrics_path)
+            if recs:
+                last_reward = recs[-1]["reward_mean"]
+            try:
+                stats = buffer.transform.get_stats()
+            except Exception as err:  # noqa: BLE001
+                raise ManagerDiedError(f"the shared-state manager stopped answering ({err}); the run cannot "
+                                       f"continue. Resume it with: rbpipe run --resume {run_dir}") from err
+            now = time.time()
+            written = int(stats.get("written_groups", 0)) * cfg.grpo_size
+            rate = (written - last_written) / max(1e-6, now - last_t)
+            last_t, last_written = now, written
+            bar.set_postfix(reward=f"{last_reward:.2f}" if last_reward is not None else "-",
+                            written=stats.get("written_groups"), dropped=stats.get("dropped_groups"),
+                            queued=stats.get("queued_trajectories"), traj_s=f"{rate:.0f}", refresh=False)
+            bar.refresh()
+    except KeyboardInterrupt:
+        log("interrupted: stopping workers")
+        return "interrupted"
+    finally:
+        bar.close()
+
+
+_tail_cache: dict[Path, list] = {}
+
+
+def _tail_metrics(path: Path) -> list[dict]:
+    return read_metrics(path)[-1:] if path.exists() else []
+
+
+def _stop_all(workers: list[Worker], timeout: float = 15.0) -> None:
+    deadline = time.time() + timeout
+    for w in workers:
+        if w.process is not None:
+            w.process.join(timeout=max(0.1, deadline - time.time()))
+    for w in workers:
+        if w.process is not None and w.process.is_alive():
+            w.process.terminate()
+            w.process.join(timeout=3)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=3)
+
+
+def _final_stats(buffer) -> dict[str, Any]:
+    if buffer is None:
+        return {}
+    try:
+        return dict(buffer.transform.get_stats())
+    except Exception:  # noqa: BLE001 - manager gone: report what the store says
+        return {}
+
+
+def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict, counters, workers, t0: float,
+               status: str) -> dict[str, Any]:
+    records = read_metrics(run_dir / METRICS)
+    first, last = first_last_fraction([r["reward_mean"] for r in records])
+    plot = plot_rewards(records, run_dir / PLOT, title=f"rbpipe run ({cfg.loss.get('loss', 'grpo')}, lr={cfg.lr})")
+    written = len(storage)
+    groups_dropped = int(stats.get("dropped_groups", 0))
+    dropped = groups_dropped * cfg.samples_per_prompt
+    unselected = int(stats.get("unselected_trajectories", 0))
+    queued = int(stats.get("queued_trajectories", 0))
+    produced = counters.produced() if counters is not None else None
+    rejected = counters.rejected() if counters is not None else 0
+    summary = {
+        "status": status,
+        "produced": produced, "rejected": rejected, "written": written, "dropped": dropped,
+        "unselected": unselected, "queued": queued,
+        "groups_written": written // cfg.grpo_size, "groups_dropped": groups_dropped,
+        "grpo_size": cfg.grpo_size,
+        "learner_steps": records[-1]["step"] if records else 0,
+        "reward_first20": first, "reward_last20": last,
+        "stale_trajectories": counters.get(STALE_TRAJECTORIES) if counters is not None else 0,
+        "restarts": sum(w.restarts for w in workers[1:]),
+        "worker_exits": {w.name: w.exits for w in workers if w.exits},
+        "duration_s": round(time.time() - t0, 2),
+        "store": str(store), "run_dir": str(run_dir), "plot": str(plot) if plot else None,
+        "grouping_stats": stats,
+    }
+    summary["conservation_ok"] = (produced is not None and bool(stats)
+                                  and produced - rejected == written + dropped + unselected + queued)
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+    return summary

@@ -1,0 +1,109 @@
+"""Learner process: sample whole fresh groups from the store, run the GRPO loss, publish new weights.
+
+It reads the store (not the collectors): whatever was committed is trainable, in commit order, once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torchrl.data import ReplayBuffer
+
+from rbpipe.config import RunConfig
+from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
+from rbpipe.policy import build_learner_actor, build_model
+from rbpipe.sampling import FreshGroupSampler
+from rbpipe.schema import REWARD_KEY
+from rbpipe.weights import SharedWeights
+from workers.control import CONSUMED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+
+
+def save_checkpoint(run_dir: Path, state: dict) -> None:
+    """Write-then-rename: a crash leaves the previous checkpoint intact."""
+    tmp = run_dir / (CHECKPOINT + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, run_dir / CHECKPOINT)
+
+
+def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCounters, stop_event,
+                run_dir: str) -> None:
+    torch.set_num_threads(1)
+    run_dir = Path(run_dir)
+    model = build_model(cfg.policy)
+    actor = build_learner_actor(model)
+    loss_cfg = LossConfig(**cfg.loss)
+    ref_actor = None
+    if loss_cfg.kl_coef:
+        ref_model = copy.deepcopy(model).requires_grad_(False)
+        ref_actor = build_learner_actor(ref_model)
+    loss_module = make_loss(actor, loss_cfg, ref_actor=ref_actor)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    sampler = FreshGroupSampler(num_groups=cfg.groups_per_step, max_staleness=cfg.max_policy_lag)
+    buffer = ReplayBuffer(storage=storage, sampler=sampler, batch_size=cfg.groups_per_step * cfg.grpo_size)
+    step = 0
+    ckpt = run_dir / CHECKPOINT
+    if ckpt.exists():  # resume: weights, optimizer, step, policy version, sampler position
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])
+        step = state["step"]
+        if ref_actor is not None and "ref_model" in state:
+            ref_actor.model.load_state_dict(state["ref_model"])
+    sampler.consumer_version = step
+    weights.publish(model, version=step, learner_step=step)
+    counters.set(LEARNER_STEP, step)
+    counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
+    t0 = time.time()
+    recent: list[float] = []
+    with open(run_dir / METRICS, "a") as metrics_file:
+        while step < cfg.steps and not stop_event.is_set():
+            if not sampler.can_sample(storage):
+                counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
+                time.sleep(0.005)
+                continue
+            rows, info = buffer.sample(return_info=True)
+            batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor)
+            metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
+            step += 1
+            sampler.consumer_version = step
+            weights.publish(model, version=step, learner_step=step)
+            counters.set(LEARNER_STEP, step)
+            counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
+            counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
+            reward = rows.get(REWARD_KEY).float()
+            record = {"step": step, "time_s": round(time.time() - t0, 4),
+                      "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
+                      "groups_consumed": sampler.consumed_groups, "stale_groups": sampler.stale_groups,
+                      **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            recent = (recent + [record["reward_mean"]])[-10:]
+            reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or reached:
+                save_checkpoint(run_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                          "sampler": sampler.state_dict(), "step": step,
+                                          **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})})
+            if reached:
+                break
+    counters.set(LEARNER_DONE, 1)
+
+
+def learner_entry(*args) -> None:
+    try:
+        run_learner(*args)
+    except KeyboardInterrupt:
+        pass
+    except Exception as err:  # noqa: BLE001 - reported by the supervisor
+        print(f"[learner] failed: {type(err).__name__}: {err}", flush=True)
+        traceback.print_exc()
+        raise SystemExit(1)

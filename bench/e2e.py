@@ -31,7 +31,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.policy)
     actor = build_learner_actor(model)
-    loss_module = make_loss(actor, LossConfig(**cfg.loss))
+    loss_module = make_loss(actor, LossConfig(**cfg.loss), old_from_current=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     grouping = MCAdvantage(grpo_size=cfg.grpo_size, prompt_key=GROUP_KEY, trajectory_return="sum")
     task = CopyFirstDigitTask(seed=cfg.seed)
@@ -51,7 +51,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
                     groups.append(out)
             index += 1
         rows = lazy_stack([row for g in groups for row in g.unbind(0)])
-        batch = build_loss_batch(rows, actor=actor)
+        batch = build_loss_batch(rows, actor=actor, recompute_old=False)
         train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
         recent = (recent + [float(rows.get(REWARD_KEY).float().mean())])[-10:]
         if len(recent) == 10 and sum(recent) / 10 >= target:

@@ -33,7 +33,7 @@ class RunConfig:
     lr: float = 1e-3
     micro_batches: int = 1
     max_policy_lag: int = 4
-    max_lead_groups: int = 24
+    max_lead_groups: int | None = None  # collectors' lead over the learner; default keeps data within the lag
     checkpoint_every: int = 50
     target_reward: float | None = None  # stop early once the last 10 steps average at least this
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig keyword arguments
@@ -73,6 +73,13 @@ class RunConfig:
         if self.max_new_tokens + 7 > self.policy.max_positions:
             raise ConfigError(f"--max-new-tokens {self.max_new_tokens} does not fit the model's "
                               f"{self.policy.max_positions} positions")
+
+    @property
+    def lead_groups(self) -> int:
+        """How many prompts collectors may run ahead of the learner: data stays within ``max_policy_lag``."""
+        if self.max_lead_groups is not None:
+            return self.max_lead_groups
+        return self.groups_per_step * max(1, self.max_policy_lag - 1)
 
     def share_of(self, collector_id: int) -> int:
         """How many of each prompt's samples collector ``collector_id`` produces (split as evenly as possible)."""

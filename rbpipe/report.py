@@ -23,6 +23,28 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+class MetricsTail:
+    """Follow a growing metrics file without rereading it (the progress bar polls it 4 times a second)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset, self.last = Path(path), 0, None
+
+    def poll(self) -> dict[str, Any] | None:
+        if not self.path.exists():
+            return self.last
+        with open(self.path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete, _, _ = chunk.rpartition("\n")
+        if complete:
+            self._offset += len(complete) + 1
+            try:
+                self.last = json.loads(complete.splitlines()[-1])
+            except json.JSONDecodeError:
+                pass
+        return self.last
+
+
 def first_last_fraction(values: list[float], fraction: float = 0.2) -> tuple[float | None, float | None]:
     if not values:
         return None, None

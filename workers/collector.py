@@ -34,7 +34,7 @@ def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeig
             time.sleep(0.1)
             continue
         # flow control: stay at most max_lead_groups prompts ahead of what the learner consumed
-        if index - counters.get(CONSUMED_GROUPS) > cfg.max_lead_groups:
+        if index - counters.get(CONSUMED_GROUPS) > cfg.lead_groups:
             time.sleep(0.005)
             continue
         if weights.version != version:

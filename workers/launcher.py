@@ -24,7 +24,7 @@ from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
 from rbpipe.errors import ManagerDiedError, RbpipeError, StoreError
 from rbpipe.policy import build_model
-from rbpipe.report import PLOT, SUMMARY, first_last_fraction, plot_rewards, read_metrics, summary_table
+from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
 from rbpipe.weights import SharedWeights, default_weights_dir
@@ -123,9 +123,10 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
         workers.append(Worker("learner", learner_entry, (cfg, storage, weights, counters, stop, str(run_dir))))
         for cid in range(cfg.collectors):
             workers.append(Worker(f"collector {cid}", collector_entry, (cid, cfg, buffer, weights, counters, stop)))
+        pids = {"launcher": os.getpid(), "manager": _manager_pid(manager)}
         for w in workers:
-            _start(ctx, w)
-        status = _supervise(cfg, workers, buffer, counters, run_dir, stop, progress=progress, log=log)
+            _start(ctx, w, pids, run_dir)
+        status = _supervise(cfg, workers, buffer, counters, run_dir, stop, pids, progress=progress, log=log)
     finally:
         stop.set()
         _stop_all(workers)
@@ -144,19 +145,34 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
     return summary
 
 
-def _start(ctx, w: Worker) -> None:
+def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
     w.process = ctx.Process(target=w.target, args=w.args, name=f"rbpipe {w.name}", daemon=True)
     w.process.start()
+    if pids is not None and run_dir is not None:
+        pids[w.name] = w.process.pid
+        _write_pids(run_dir, pids)
+
+
+def _write_pids(run_dir: Path, pids: dict) -> None:
+    """``RUN_DIR/pids.json``: who is running now (for operators, and for the fault tests)."""
+    tmp = run_dir / "pids.json.tmp"
+    tmp.write_text(json.dumps(pids))
+    os.replace(tmp, run_dir / "pids.json")
+
+
+def _manager_pid(manager) -> int | None:
+    process = getattr(manager, "_process", None)
+    return getattr(process, "pid", None)
 
 
 def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCounters, run_dir: Path, stop,
-               *, progress: bool, log) -> str:
+               pids: dict, *, progress: bool, log) -> str:
     """Watch workers until the learner finishes; restart dead collectors with back-off."""
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.steps, desc="learner steps", unit="step", disable=not progress, dynamic_ncols=True)
     learner = workers[0]
-    metrics_path = run_dir / METRICS
+    tail = MetricsTail(run_dir / METRICS)
     last_reward = None
     last_t, last_written = time.time(), 0
     try:
@@ -181,14 +197,14 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
                     w.next_start = time.time() + delay
                     w.restarts += 1
                 elif w.process is None and time.time() >= w.next_start:
-                    _start(multiprocess.get_context("spawn"), w)
+                    _start(multiprocess.get_context("spawn"), w, pids, run_dir)
             step = counters.get(LEARNER_STEP)
             bar.n = step
-            recs = _tail_metrics(metrics_path)
-            if recs:
-                last_reward = recs[-1]["reward_mean"]
+            record = tail.poll()
+            if record is not None:
+                last_reward = record["reward_mean"]
             try:
-                stats = buffer.transform.get_stats()
+                stats = buffer.grouping_transform.get_stats()
             except Exception as err:  # noqa: BLE001
                 raise ManagerDiedError(f"the shared-state manager stopped answering ({err}); the run cannot "
                                        f"continue. Resume it with: rbpipe run --resume {run_dir}") from err
@@ -205,13 +221,6 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
         return "interrupted"
     finally:
         bar.close()
-
-
-_tail_cache: dict[Path, list] = {}
-
-
-def _tail_metrics(path: Path) -> list[dict]:
-    return read_metrics(path)[-1:] if path.exists() else []
 
 
 def _stop_all(workers: list[Worker], timeout: float = 15.0) -> None:
@@ -232,7 +241,7 @@ def _final_stats(buffer) -> dict[str, Any]:
     if buffer is None:
         return {}
     try:
-        return dict(buffer.transform.get_stats())
+        return dict(buffer.grouping_transform.get_stats())
     except Exception:  # noqa: BLE001 - manager gone: report what the store says
         return {}
 
@@ -264,7 +273,14 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict,
         "store": str(store), "run_dir": str(run_dir), "plot": str(plot) if plot else None,
         "grouping_stats": stats,
     }
+    # A collector killed while handing a trajectory over loses at most that one trajectory (it never reached
+    # shared state); everything that did reach the grouping transform must be accounted for exactly.
+    handed_over = int(stats.get("completed_trajectories", 0))
+    kills = sum(1 for w in workers[1:] for e in w.exits if e != "exited normally")
+    summary["handed_over"] = handed_over
+    summary["lost_in_flight"] = None if produced is None else produced - rejected - handed_over
     summary["conservation_ok"] = (produced is not None and bool(stats)
-                                  and produced - rejected == written + dropped + unselected + queued)
+                                  and handed_over == written + dropped + unselected + queued
+                                  and 0 <= summary["lost_in_flight"] <= kills)
     (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
     return summary

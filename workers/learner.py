@@ -19,7 +19,8 @@ from rbpipe.config import RunConfig
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
 from rbpipe.policy import build_learner_actor, build_model
 from rbpipe.sampling import FreshGroupSampler
-from rbpipe.schema import REWARD_KEY
+from rbpipe.storage import collate_identity
+from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY
 from rbpipe.weights import SharedWeights
 from workers.control import CONSUMED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
 
@@ -45,10 +46,13 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
     if loss_cfg.kl_coef:
         ref_model = copy.deepcopy(model).requires_grad_(False)
         ref_actor = build_learner_actor(ref_model)
-    loss_module = make_loss(actor, loss_cfg, ref_actor=ref_actor)
+    probe = make_loss(actor, loss_cfg, ref_actor=ref_actor)
+    recompute_old = probe.needs_old_for_mask  # else lp_old = lp.detach(): identical with one update per batch
+    loss_module = make_loss(actor, loss_cfg, ref_actor=ref_actor, old_from_current=not recompute_old)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sampler = FreshGroupSampler(num_groups=cfg.groups_per_step, max_staleness=cfg.max_policy_lag)
-    buffer = ReplayBuffer(storage=storage, sampler=sampler, batch_size=cfg.groups_per_step * cfg.grpo_size)
+    buffer = ReplayBuffer(storage=storage, sampler=sampler, batch_size=cfg.groups_per_step * cfg.grpo_size,
+                          collate_fn=collate_identity)
     step = 0
     ckpt = run_dir / CHECKPOINT
     if ckpt.exists():  # resume: weights, optimizer, step, policy version, sampler position
@@ -72,7 +76,7 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
                 time.sleep(0.005)
                 continue
             rows, info = buffer.sample(return_info=True)
-            batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor)
+            batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
             metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
             step += 1
             sampler.consumer_version = step
@@ -81,9 +85,10 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
             counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
             reward = rows.get(REWARD_KEY).float()
+            trained = _group_fingerprints(rows)
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
-                      "groups_consumed": sampler.consumed_groups, "stale_groups": sampler.stale_groups,
+                      "groups_consumed": sampler.consumed_groups, "trained_groups": trained, "stale_groups": sampler.stale_groups,
                       **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -96,6 +101,18 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             if reached:
                 break
     counters.set(LEARNER_DONE, 1)
+
+
+def _group_fingerprints(rows) -> list[list[int]]:
+    """``[group_id, members, token checksum]`` per sampled group: lets tests check the learner read
+    exactly the rows the collectors wrote."""
+    out: dict[int, list[int]] = {}
+    for row in rows.unbind(0):
+        gid = int(row.get(GROUP_KEY).reshape(-1)[0])
+        entry = out.setdefault(gid, [gid, 0, 0])
+        entry[1] += 1
+        entry[2] += int(row.get(PROMPT_TOKENS_KEY).sum()) + 3 * int(row.get(RESPONSE_TOKENS_KEY).sum())
+    return list(out.values())
 
 
 def learner_entry(*args) -> None:

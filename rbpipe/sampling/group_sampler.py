@@ -40,7 +40,7 @@ class FreshGroupSampler(Sampler):
         self.max_staleness = max_staleness
         self.version_key = version_key
         self.consumer_version = 0
-        self._watermark = 0  # every span before this position is consumed or retired as stale
+        self._watermark = 0  # every group whose commit sequence number is below this is consumed or retired
         self._done: set[int] = set()  # sequence numbers consumed/retired past the watermark
         self._rng = None
         self.consumed_groups = 0
@@ -53,7 +53,8 @@ class FreshGroupSampler(Sampler):
 
         Staleness only grows (``consumer_version`` never decreases), so a group found stale stays stale.
         """
-        spans = storage.group_spans()[self._watermark:]
+        spans = storage.group_spans()
+        spans = spans[spans[:, 0] >= self._watermark]
         if spans.numel() == 0:
             return spans.reshape(0, 3)
         todo = torch.tensor([int(s) not in self._done for s in spans[:, 0].tolist()], dtype=torch.bool)
@@ -76,12 +77,12 @@ class FreshGroupSampler(Sampler):
         return spans
 
     def _advance_watermark(self, storage: Storage) -> None:
-        seqs = storage.group_spans()[self._watermark:, 0].tolist()
-        for seq in seqs:
+        seqs = storage.group_spans()[:, 0]
+        for seq in seqs[seqs >= self._watermark].tolist():
             if int(seq) not in self._done:
                 break
             self._done.discard(int(seq))
-            self._watermark += 1
+            self._watermark = int(seq) + 1
 
     def available_groups(self, storage: Storage) -> int:
         return int(self._fresh_spans(storage).shape[0])

@@ -1,0 +1,157 @@
+"""Storage benchmark: torchrl LazyMemmapStorage / LazyTensorStorage vs rbpipe Arrow and Zarr stores.
+
+Same data, same run. Workloads: ``llm_groups`` (groups of 16 trajectories, 100-1000 ragged tokens +
+log-probs; padded to the max length for the torchrl storages) and ``rl_rows`` (classic RL rows: obs[64],
+action, reward, done; written in groups of 64 rows). Ops: ``write`` (whole groups) and ``sample``
+(16 random whole groups for llm_groups, 256 random rows for rl_rows; warm, after one warm-up draw).
+For arrow on rl_rows, ``sample`` is measured after ``compact()`` (and ``sample_uncompacted`` before).
+Throughput is rows per second. Nothing is asserted: the figures are reported as measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict, lazy_stack
+
+
+def llm_groups(n_groups: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ragged, padded = [], []
+    for gid in range(n_groups):
+        rows = []
+        for _ in range(16):
+            L = int(torch.randint(100, 1001, (), generator=g))
+            rows.append(TensorDict({"group_id": torch.tensor(gid),
+                                    "tokens": {"prompt": torch.randint(0, 32000, (64,), generator=g),
+                                               "response": torch.randint(0, 32000, (L,), generator=g)},
+                                    "log_probs": {"rollout": torch.randn(L, generator=g)},
+                                    "next": {"reward": torch.rand(1, generator=g),
+                                             "done": torch.ones(1, dtype=torch.bool)},
+                                    "policy_version": torch.tensor(1)}, batch_size=[]))
+        ragged.append(lazy_stack(rows, 0))
+        resp = torch.zeros(16, 1000, dtype=torch.int64)
+        lp = torch.zeros(16, 1000)
+        for i, r in enumerate(rows):
+            L = r["tokens", "response"].shape[0]
+            resp[i, :L] = r["tokens", "response"]
+            lp[i, :L] = r["log_probs", "rollout"]
+        padded.append(TensorDict({"group_id": torch.full((16,), gid),
+                                  "tokens": {"prompt": torch.stack([r["tokens", "prompt"] for r in rows]),
+                                             "response": resp},
+                                  "log_probs": {"rollout": lp},
+                                  "length": torch.tensor([r["tokens", "response"].shape[0] for r in rows]),
+                                  "next": {"reward": torch.stack([r["next", "reward"] for r in rows]),
+                                           "done": torch.ones(16, 1, dtype=torch.bool)},
+                                  "policy_version": torch.ones(16, dtype=torch.int64)}, batch_size=[16]))
+    return ragged, padded, 16
+
+
+def rl_rows(n_groups: int, seed: int = 0, rows: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    data = [TensorDict({"obs": torch.randn(rows, 64, generator=g),
+                        "action": torch.randint(0, 6, (rows,), generator=g),
+                        "next": {"reward": torch.randn(rows, 1, generator=g),
+                                 "done": torch.zeros(rows, 1, dtype=torch.bool)}}, batch_size=[rows])
+            for _ in range(n_groups)]
+    return data, data, rows
+
+
+def _timeit(fn, reps):
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def run(quick: bool) -> list[dict]:
+    from torchrl.data import LazyMemmapStorage, LazyTensorStorage
+    from rbpipe.storage import ArrowStorage, ZarrStorage
+    import logging
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # keep stdout to the report (--json)
+    results = []
+    sizes = {"llm_groups": 24 if quick else 128, "rl_rows": 100 if quick else 1000}
+    reps = 10 if quick else 50
+    for workload, make in (("llm_groups", llm_groups), ("rl_rows", rl_rows)):
+        ragged, dense, gsize = make(sizes[workload])
+        total = gsize * len(ragged)
+        gen = torch.Generator().manual_seed(1)
+        for backend in ("memmap", "tensor", "arrow", "zarr"):
+            tmp = tempfile.mkdtemp(prefix=f"rbpipe-bench-{backend}-")
+            if backend in ("memmap", "tensor"):
+                st = (LazyMemmapStorage(total, scratch_dir=tmp) if backend == "memmap"
+                      else LazyTensorStorage(total))
+                groups = dense
+
+                def write(st=st, first=False):
+                    for k, td in enumerate(groups[:1] if first else groups[1:], start=0 if first else 1):
+                        st.set(torch.arange(k * gsize, (k + 1) * gsize), td)
+            else:
+                cls = ArrowStorage if backend == "arrow" else ZarrStorage
+                st = cls(Path(tmp) / "store", ragged_keys=[("tokens", "response"), ("log_probs", "rollout")]
+                         if workload == "llm_groups" else ())
+                groups = ragged
+
+                def write(st=st, first=False):
+                    for td in groups[:1] if first else groups[1:]:
+                        st.append_group(td)
+            write(first=True)  # allocation / store creation is not timed
+            t0 = time.perf_counter()
+            write()
+            dt = time.perf_counter() - t0
+            results.append({"backend": backend, "workload": workload, "op": "write",
+                            "throughput": (total - gsize) / dt, "seconds": dt, "rows": total - gsize})
+            if hasattr(st, "close"):
+                st.close()
+
+            def draw():
+                if workload == "llm_groups":
+                    gs = torch.randperm(len(groups), generator=gen)[:16]
+                    return (gs[:, None] * gsize + torch.arange(gsize)).reshape(-1)
+                return torch.randint(0, total, (256,), generator=gen)
+
+            def sample(st=st):
+                return st.get(draw())
+
+            extra = {}
+            if backend == "arrow" and workload == "rl_rows":
+                extra["sample_uncompacted_throughput"] = 256 / _timeit(sample, reps)
+                t0 = time.perf_counter()
+                st.compact()
+                extra["compact_seconds"] = time.perf_counter() - t0
+            n = 256
+            dt = _timeit(sample, reps)
+            results.append({"backend": backend, "workload": workload, "op": "sample", "throughput": n / dt,
+                            "seconds_per_call": dt, "rows": n, **extra})
+    return results
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    results = run(args.quick)
+    base = {(r["workload"], r["op"]): r["throughput"] for r in results if r["backend"] == "memmap"}
+    for r in results:
+        r["ratio_vs_memmap"] = r["throughput"] / base[(r["workload"], r["op"])]
+    if args.json:
+        print(json.dumps({"default_backend": "arrow", "results": results}))
+        return
+    print(f"{'workload':<11} {'op':<7} {'backend':<7} {'rows/s':>12} {'x memmap':>9}")
+    for r in results:
+        line = f"{r['workload']:<11} {r['op']:<7} {r['backend']:<7} {r['throughput']:>12.0f} {r['ratio_vs_memmap']:>9.2f}"
+        if "sample_uncompacted_throughput" in r:
+            line += (f"   (before compact(): {r['sample_uncompacted_throughput']:.0f} rows/s, "
+                     f"{r['sample_uncompacted_throughput'] / base[(r['workload'], 'sample')]:.2f}x)")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

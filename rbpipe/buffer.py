@@ -1,0 +1,175 @@
+"""``GroupReplayBuffer``: a torchrl ``ReplayBuffer`` whose writes go through the shared grouping transform.
+
+``grouping="rbpipe"``: ``extend``/``add`` run :class:`~rbpipe.grouping.SharedMCAdvantage`; each completed
+group is written by the writer that completed it, outside any lock (``storage.append_group`` with the
+claim id as commit id where the storage has it, e.g. ``ArrowStorage``; for torchrl tensor storages into a
+row range reserved by the manager), then confirmed. No lock lives in the buffer, so it pickles into
+``multiprocess`` spawn children.
+
+``grouping="torchrl"``: torchrl's stock shared ``MCAdvantage`` (stdlib manager, one RLock) behind the stock
+``ReplayBuffer`` write path; the baseline. It also works across ``multiprocess`` spawn workers: when the
+buffer is pickled for a spawn child, :mod:`rbpipe.grouping.bridge` pickles it with stdlib's spawning hook
+set (so the write ``Lock``, the storage's length ``Value`` and the manager proxies travel) and installs the
+parent's stdlib authkey in the child before the proxies reconnect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+from torchrl.data import ReplayBuffer
+from torchrl.objectives.llm import MCAdvantage
+
+from rbpipe.errors import ConfigError, StoreError
+from rbpipe.grouping import SharedMCAdvantage, bridged_reduce, connect_manager, start_manager
+from rbpipe.grouping.bridge import spawning
+from rbpipe.schema import GROUP_KEY
+
+__all__ = ["GroupReplayBuffer", "make_replay_buffer", "allocate_storage", "start_manager", "connect_manager"]
+
+
+class _Bridging(threading.local):
+    active = False
+
+
+_BRIDGING = _Bridging()
+
+
+class GroupReplayBuffer(ReplayBuffer):
+    """Replay buffer that persists whole groups; see the module docstring for the two groupings."""
+
+    def __init__(self, *, storage, transform, grouping: str = "rbpipe", **kwargs) -> None:
+        self.grouping = grouping
+        super().__init__(storage=storage, transform=transform, shared=(grouping == "torchrl"), **kwargs)
+
+    @property
+    def grouping_transform(self):
+        return self._transform[0] if self._transform is not None and len(self._transform) else None
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._unpickled = True  # a copy in another process: never allocate a lazy storage privately
+
+    def __reduce_ex__(self, protocol):
+        if spawning() and not _BRIDGING.active:
+            _BRIDGING.active = True
+            try:
+                return bridged_reduce(self)  # pickles self again below, the plain way, with stdlib sharing on
+            finally:
+                _BRIDGING.active = False
+        return super().__reduce_ex__(protocol)
+
+    # -- rbpipe write path ---------------------------------------------------------------------------------------
+    def extend(self, data, *, update_priority=None) -> torch.Tensor:
+        if self.grouping != "rbpipe":
+            return super().extend(data, update_priority=update_priority)
+        transform = self.grouping_transform
+        indices = [self._write_claim(claim) for claim in transform.process(data)]
+        if not indices:
+            return torch.zeros((0,), dtype=torch.long)
+        return torch.cat(indices)
+
+    def add(self, data) -> torch.Tensor:
+        if self.grouping != "rbpipe":
+            return super().add(data)
+        return self.extend(data.unsqueeze(0) if data.ndim == 0 else data)
+
+    def recover(self, *, force: bool = False) -> int:
+        """Write and confirm groups claimed by writers that died before confirming; returns how many."""
+        claims = self.grouping_transform.recover(force=force)
+        for claim in claims:
+            self._write_claim(claim)
+        return len(claims)
+
+    def _write_claim(self, claim) -> torch.Tensor:
+        transform = self.grouping_transform
+        group = transform.group_of(claim)
+        storage = self._storage
+        if hasattr(storage, "append_group"):
+            if _takes_commit_id(storage):  # idempotent: a recovered claim already committed is not rewritten
+                index = storage.append_group(group, commit_id=claim.claim_id)
+            else:
+                index = storage.append_group(group)
+        else:
+            if claim.rows is None:
+                raise ConfigError("this storage has no append_group: build the buffer with make_replay_buffer "
+                                  "so the grouping reserves row ranges for it")
+            n = group.shape[0]
+            index = torch.arange(claim.rows, claim.rows + n)
+            if claim.rows + n > storage.max_size:
+                raise StoreError(f"the storage is full ({storage.max_size} rows): allocate a larger one")
+            if not storage.initialized and not getattr(self, "_unpickled", False):
+                allocate_storage(storage, group)
+            if not storage.initialized:
+                raise ConfigError("allocate the torchrl storage in the parent before starting writers "
+                                  "(write one group or use LazyTensorStorage(shared_init=True))")
+            storage.set(index, group, set_cursor=False)
+            _raise_len(storage, claim.rows + n)
+        self._sampler.extend(index)
+        transform.confirm(claim)
+        return index
+
+
+def _takes_commit_id(storage) -> bool:
+    import inspect
+
+    try:
+        return "commit_id" in inspect.signature(storage.append_group).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _identity(x):
+    return x
+
+
+def allocate_storage(storage, example) -> None:
+    """Allocate a lazy torchrl tensor storage from one example row, in the parent, before writers start."""
+    if getattr(storage, "initialized", True):
+        return
+    row = example[0] if example.ndim else example
+    storage._init(row.exclude(*[k for k in row.keys(True, True) if k not in example.keys(True, True)]))
+
+
+def _raise_len(storage, length: int) -> None:
+    """Grow a torchrl tensor storage's (shared) length to ``length`` (never shrink it)."""
+    value = getattr(storage, "_len_value", None)
+    lock = value.get_lock() if hasattr(value, "get_lock") else contextlib.nullcontext()
+    with lock:
+        if storage._len < length:
+            storage._len = length
+
+
+def make_replay_buffer(storage, *, grouping: str = "rbpipe", grpo_size: int, manager=None, staging_dir=None,
+                       sampler=None, batch_size=None, writer=None, collate_fn=None,
+                       **mcadvantage_kwargs: Any) -> GroupReplayBuffer:
+    """Build the shared GRPO buffer over ``storage`` (torchrl ``Storage``; ``ArrowStorage`` preferred).
+
+    ``mcadvantage_kwargs`` are ``MCAdvantage``'s options (``prompt_key`` defaults to the schema's group id).
+    ``grouping="rbpipe"`` uses ``manager`` (``start_manager()``; one is started when None) and stages payloads
+    in ``staging_dir``; ``grouping="torchrl"`` is the stock shared ``MCAdvantage`` baseline.
+    """
+    mcadvantage_kwargs.setdefault("prompt_key", GROUP_KEY)
+    for key in ("candidate_group_size", "candidate_selection_min_size", "candidate_selector"):
+        if mcadvantage_kwargs.get(key, 0) is None:
+            mcadvantage_kwargs.pop(key)
+    if writer is None and hasattr(storage, "append_group"):
+        from rbpipe.storage import GroupWriter
+
+        writer = GroupWriter()
+    if collate_fn is None and hasattr(storage, "append_group"):
+        collate_fn = _identity  # group storages return ready TensorDicts
+    extra = {k: v for k, v in dict(sampler=sampler, batch_size=batch_size, writer=writer,
+                                   collate_fn=collate_fn).items() if v is not None}
+    if grouping == "rbpipe":
+        transform = SharedMCAdvantage(grpo_size, manager=manager, staging_dir=staging_dir,
+                                      reserve_rows=not hasattr(storage, "append_group"), **mcadvantage_kwargs)
+    elif grouping == "torchrl":
+        mcadvantage_kwargs.pop("required_keys", None)
+        transform = MCAdvantage(grpo_size, **mcadvantage_kwargs)
+    else:
+        raise ConfigError(f"grouping must be 'rbpipe' or 'torchrl', got {grouping!r}")
+    return GroupReplayBuffer(storage=storage, transform=transform, grouping=grouping, **extra)

@@ -1,0 +1,301 @@
+"""``GroupRegistry``: the grouping state, living inside the manager process.
+
+Clients never hold a lock: every method runs inside the manager under a short per-shard
+``threading.Lock`` (groups are spread over shards by hash), so a client killed at any instant cannot leave
+a lock held, and appends to different groups do not serialise on one lock.
+
+Decisions are torchrl's own: each shard runs a process-local :class:`~torchrl.objectives.llm.MCAdvantage`
+on *skeleton* trajectories that carry only the group, the rewards, the done flag and a handle index. The
+skeleton group torchrl returns tells which handles were selected and their advantages, so selection,
+dynamic sampling, rescue and every counter follow torchrl's semantics by construction.
+
+A completed group becomes a *claim* owned by the appending writer. Its decision counters (written,
+selected, unselected, ...) stay deferred, and its members count as queued, until the owner confirms that
+the storage write succeeded. A claim whose owner died is handed to the next caller (``append``/``recover``)
+to finish; the claim id doubles as the storage commit id so a finished-but-unconfirmed write is not
+duplicated by storages that support idempotent commits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torchrl.objectives.llm import MCAdvantage
+
+_G, _R, _D, _A, _H = "group", "reward", "done", "advantage", "handle"
+
+#: torchrl's counters (torchrl.objectives.llm.grpo._MCADVANTAGE_STATS; listed here to stay version-explicit).
+STAT_NAMES = ("completed_trajectories", "completed_decisions", "trajectory_return_sum", "trajectory_return_max",
+              "successful_trajectories", "completed_groups", "written_groups", "dropped_groups", "rescued_groups",
+              "selected_trajectories", "unselected_trajectories")
+#: Counters that describe a group decision: held back until its storage write is confirmed.
+DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_trajectories",
+            "unselected_trajectories")
+QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child not yet reaped by its parent is a zombie: dead for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def encode_tensor(t: torch.Tensor) -> tuple[bytes, str, tuple]:
+    t = t.detach().cpu().contiguous()
+    return t.numpy().tobytes(), str(t.dtype).replace("torch.", ""), tuple(t.shape)
+
+
+def decode_tensor(data: bytes, dtype: str, shape: tuple) -> torch.Tensor:
+    dt = getattr(torch, dtype)
+    if not data:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(data), dtype=dt).reshape(shape)
+
+
+class _Shard:
+    def __init__(self, options: dict) -> None:
+        self.lock = threading.Lock()
+        self.mc = MCAdvantage(prompt_key=_G, rewards_key=_R, advantage_key=_A, done_key=_D, **options)
+        self.group_ids: dict[Any, int] = {}  # group -> int id used in skeletons, while queued
+        self.members: dict[int, list[tuple[int, str, tuple]]] = {}  # int id -> [(hidx, handle, reward enc)]
+        self.ids = itertools.count()
+        self.hids = itertools.count()
+
+
+class GroupRegistry:
+    """Shared grouping state; its public methods are what the manager proxy exposes."""
+
+    exposed = ("append", "confirm", "recover", "get_stats", "reset_stats", "clear_queues", "snapshot",
+               "restore", "ping", "options")
+
+    def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5) -> None:
+        self._options = dict(options)
+        self._shards = [_Shard(self._options) for _ in range(max(1, int(shards)))]
+        self._claims: dict[str, dict] = {}
+        self._claims_lock = threading.Lock()
+        self._rows = 0  # next free row for storages that need reserved row ranges
+        self._rows_lock = threading.Lock()
+        self._orphan_check_s = orphan_check_s
+        self._last_orphan_check = 0.0
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def ping(self) -> int:
+        return os.getpid()
+
+    def options(self) -> dict:
+        return dict(self._options)
+
+    def _shard(self, group) -> _Shard:
+        return self._shards[hash(group) % len(self._shards)]
+
+    @staticmethod
+    def _skeleton(gid: int, hidx: int, reward: tuple) -> TensorDict:
+        r = decode_tensor(*reward)
+        steps = r.shape[0]
+        done = torch.zeros(steps, 1, dtype=torch.bool)
+        done[-1] = True
+        return TensorDict({_G: torch.full((steps,), gid, dtype=torch.int64), _R: r, _D: done,
+                           _H: torch.full((steps,), hidx, dtype=torch.int64)}, batch_size=[steps])
+
+    def _reserve_rows(self, n: int) -> int:
+        with self._rows_lock:
+            start = self._rows
+            self._rows += n
+            return start
+
+    # -- the one call per trajectory ---------------------------------------------------------------------------
+    def append(self, group, handle: str, reward: tuple, owner: int, reserve_rows: bool = False) -> dict:
+        """Queue one trajectory; return ``{"status": "queued"|"write"|"dropped", ...}`` plus orphan claims.
+
+        ``reward`` is ``(bytes, dtype, shape)`` of the trajectory's reward tensor (``shape[0]`` = steps).
+        """
+        shard = self._shard(group)
+        with shard.lock:
+            gid = shard.group_ids.get(group)
+            if gid is None:
+                gid = shard.group_ids[group] = next(shard.ids)
+                shard.members[gid] = []
+            hidx = next(shard.hids)
+            shard.members[gid].append((hidx, handle, reward))
+            mc = shard.mc
+            before = {name: mc._stats[name] for name in DEFERRED}
+            out = mc._inv_call_single(self._skeleton(gid, hidx, reward))  # torchrl's per-trajectory decision
+            if gid in mc.queues:
+                result = {"status": "queued"}
+            else:
+                members = shard.members.pop(gid)
+                del shard.group_ids[group]
+                if out is None:
+                    result = {"status": "dropped", "handles": [h for _, h, _ in members]}
+                else:
+                    deltas = {name: mc._stats[name] - before[name] for name in DEFERRED}
+                    result = self._new_claim(group, members, out, deltas, owner, reserve_rows)
+        result["recovered"] = self._orphans(owner)
+        return result
+
+    def _new_claim(self, group, members, out: TensorDict, deltas: dict, owner: int, reserve_rows: bool) -> dict:
+        handle_of = {hidx: handle for hidx, handle, _ in members}
+        hcol, counts = torch.unique_consecutive(out.get(_H), return_counts=True)
+        advs = out.get(_A).split(counts.tolist(), dim=0)
+        selected = [handle_of[int(h)] for h in hcol.tolist()]
+        claim = {
+            "claim_id": uuid.uuid4().hex, "group": group, "selected": selected,
+            "advantages": [encode_tensor(a) for a in advs],
+            "unselected": [h for _, h, _ in members if h not in set(selected)],
+            "members": [(h, r) for _, h, r in members], "deltas": deltas, "owner": owner,
+            "since": time.monotonic(),
+            "rows": self._reserve_rows(int(counts.sum())) if reserve_rows else None,
+        }
+        with self._claims_lock:
+            self._claims[claim["claim_id"]] = claim
+        return {"status": "write", **self._public(claim)}
+
+    @staticmethod
+    def _public(claim: dict) -> dict:
+        return {k: claim[k] for k in ("claim_id", "group", "selected", "advantages", "unselected", "rows")}
+
+    def _orphans(self, owner: int, force: bool = False) -> list[dict]:
+        now = time.monotonic()
+        if not self._claims or (not force and now - self._last_orphan_check < self._orphan_check_s):
+            return []
+        self._last_orphan_check = now
+        taken = []
+        with self._claims_lock:
+            for claim in self._claims.values():
+                if claim["owner"] != owner and not _pid_alive(claim["owner"]):
+                    claim["owner"], claim["since"] = owner, now
+                    taken.append(self._public(claim))
+        return taken
+
+    def confirm(self, claim_id: str) -> bool:
+        """The claim's group is in storage: release its deferred counters. Idempotent."""
+        with self._claims_lock:
+            return self._claims.pop(claim_id, None) is not None
+
+    def recover(self, owner: int, force: bool = False) -> list[dict]:
+        """Hand the caller every claim whose owner is dead (``force``: every claim not its own)."""
+        if force:
+            with self._claims_lock:
+                now = time.monotonic()
+                taken = []
+                for claim in self._claims.values():
+                    if claim["owner"] != owner:
+                        claim["owner"], claim["since"] = owner, now
+                        taken.append(self._public(claim))
+                return taken
+        return self._orphans(owner, force=True)
+
+    # -- stats -------------------------------------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        stats: dict[str, Any] = {name: 0 for name in STAT_NAMES}
+        stats["trajectory_return_sum"] = 0.0
+        stats["trajectory_return_max"] = float("-inf")
+        queue_lens: list[int] = []
+        for shard in self._shards:
+            with shard.lock:
+                for name in STAT_NAMES:
+                    value = shard.mc._stats[name]
+                    stats[name] = max(stats[name], value) if name == "trajectory_return_max" else stats[name] + value
+                queue_lens.extend(len(q) for q in shard.mc.queues.values())
+        with self._claims_lock:
+            for claim in self._claims.values():
+                for name, delta in claim["deltas"].items():
+                    stats[name] -= delta
+                queue_lens.append(len(claim["members"]))
+        stats.update(queued_groups=len(queue_lens), queued_trajectories=sum(queue_lens),
+                     max_queued_trajectories_per_group=max(queue_lens, default=0))
+        return stats
+
+    def reset_stats(self) -> None:
+        for shard in self._shards:
+            with shard.lock:
+                shard.mc.reset_stats()
+        with self._claims_lock:
+            for claim in self._claims.values():
+                claim["deltas"] = {name: 0 for name in DEFERRED}
+
+    def clear_queues(self) -> list[str]:
+        """Forget incomplete groups (not claims); returns their staged handles so the caller can delete them."""
+        dropped = []
+        for shard in self._shards:
+            with shard.lock:
+                shard.mc.clear_queues()
+                dropped.extend(h for members in shard.members.values() for _, h, _ in members)
+                shard.members.clear()
+                shard.group_ids.clear()
+        return dropped
+
+    # -- persistence -------------------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Pending state (queued trajectories in arrival order, unconfirmed claims, raw counters)."""
+        queued, raw = [], {name: 0 for name in STAT_NAMES}
+        raw["trajectory_return_max"] = float("-inf")
+        for shard in self._shards:
+            with shard.lock:
+                for group, gid in shard.group_ids.items():
+                    queued.append((group, [(h, r) for _, h, r in shard.members[gid]]))
+                for name in STAT_NAMES:
+                    value = shard.mc._stats[name]
+                    raw[name] = max(raw[name], value) if name == "trajectory_return_max" else raw[name] + value
+        with self._claims_lock:
+            claims = [dict(c, owner=0) for c in self._claims.values()]
+        return {"version": 1, "options": self.options(), "queued": queued, "claims": claims, "stats": raw,
+                "rows": self._rows}
+
+    def restore(self, snap: dict) -> int:
+        """Re-queue a snapshot's pending trajectories (in their arrival order) and claims; returns how many."""
+        count = 0
+        for group, members in snap["queued"]:
+            shard = self._shard(group)
+            with shard.lock:
+                gid = shard.group_ids.get(group)
+                if gid is None:
+                    gid = shard.group_ids[group] = next(shard.ids)
+                    shard.members[gid] = []
+                for handle, reward in members:
+                    hidx = next(shard.hids)
+                    shard.members[gid].append((hidx, handle, reward))
+                    shard.mc.queues[gid].append(self._skeleton(gid, hidx, reward))
+                    count += 1
+        with self._claims_lock:
+            for claim in snap["claims"]:
+                self._claims[claim["claim_id"]] = dict(claim, owner=0, since=time.monotonic())
+                count += len(claim["members"])
+        with self._shards[0].lock:
+            for name, value in snap["stats"].items():
+                self._shards[0].mc._stats[name] = value
+        with self._rows_lock:
+            self._rows = max(self._rows, int(snap.get("rows", 0)))
+        return count
+
+
+_REGISTRIES: dict[str, GroupRegistry] = {}
+_REGISTRIES_LOCK = threading.Lock()
+
+
+def get_registry(name: str, options: dict | None = None, shards: int = 16) -> GroupRegistry:
+    """Manager-side factory: one registry per name (created on first use, with ``options``)."""
+    with _REGISTRIES_LOCK:
+        reg = _REGISTRIES.get(name)
+        if reg is None:
+            if options is None:
+                raise KeyError(f"no grouping registry named {name!r} in this manager")
+            reg = _REGISTRIES[name] = GroupRegistry(options, shards=shards)
+        return reg

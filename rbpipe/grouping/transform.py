@@ -1,0 +1,256 @@
+"""``SharedMCAdvantage``: torchrl's ``MCAdvantage`` with its queues in a manager, moving handles only.
+
+Per trajectory: validate, stage the payload once (on disk), make **one** manager call carrying the group,
+the handle and the reward tensor. The answer is "queued", "dropped" (delete the staged files) or a *claim*
+for a completed group (selected handles + torchrl's advantages); the completing writer loads the payloads,
+sets the advantages, writes the group to storage outside any lock and confirms.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
+
+from rbpipe.errors import BadTrajectoryError, ConfigError
+from rbpipe.grouping.manager import call, open_registry, start_manager
+from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
+from rbpipe.grouping.staging import Staging
+from rbpipe.schema import REQUIRED_KEYS, validate_trajectory
+
+
+@dataclass
+class Claim:
+    """A completed group this process must write, then confirm."""
+
+    claim_id: str
+    group: Any
+    selected: list[str]
+    advantages: list[tuple]
+    unselected: list[str]
+    rows: int | None = None
+    members: list[TensorDictBase] = field(default_factory=list)  # filled by ``load``
+
+    @property
+    def handles(self) -> list[str]:
+        return self.selected + self.unselected
+
+
+class SharedMCAdvantage(MCAdvantage):
+    """Drop-in shared ``MCAdvantage`` (same options, outputs and ``get_stats()``) for many writer processes.
+
+    Keyword Args (on top of ``MCAdvantage``'s):
+        manager: a :func:`~rbpipe.grouping.start_manager` manager (or connected one); ``None`` starts one.
+        staging_dir: directory for staged payloads (e.g. ``STORE/staging``); a temporary one when ``None``.
+        name: registry name inside the manager (independent processes open the same name).
+        required_keys: keys every trajectory must carry (default: the rbpipe schema's).
+        shards: lock shards of the registry.
+        reserve_rows: ask the registry for row ranges (for torchrl storages without ``append_group``).
+    """
+
+    def __init__(self, grpo_size: int, prompt_key="group_id", rewards_key=("next", "reward"),
+                 advantage_key="advantage", done_key=("next", "done"), verbose: bool = False, *,
+                 trajectory_return=None, keep_return_bounds=None, candidate_group_size=None,
+                 candidate_selection_min_size=None, candidate_selector: MCAdvantageSelector | None = None,
+                 manager=None, staging_dir=None, name: str | None = None, required_keys=None, shards: int = 16,
+                 reserve_rows: bool = False) -> None:
+        try:
+            super().__init__(grpo_size, prompt_key, rewards_key, advantage_key, done_key, verbose,
+                             trajectory_return=trajectory_return, keep_return_bounds=keep_return_bounds,
+                             candidate_group_size=candidate_group_size,
+                             candidate_selection_min_size=candidate_selection_min_size,
+                             candidate_selector=candidate_selector)
+        except ValueError as err:
+            raise ConfigError(f"invalid grouping options: {err}") from err
+        options = dict(grpo_size=grpo_size, trajectory_return=trajectory_return,
+                       keep_return_bounds=self.keep_return_bounds, candidate_group_size=self.candidate_group_size,
+                       candidate_selection_min_size=self.candidate_selection_min_size,
+                       candidate_selector=self.candidate_selector)
+        self._owns_manager = manager is None
+        self._manager = start_manager() if manager is None else manager
+        self.registry_name = name or f"grouping-{uuid.uuid4().hex[:12]}"
+        self._registry = open_registry(self._manager, self.registry_name, options, shards)
+        if staging_dir is None:
+            import tempfile
+
+            staging_dir = Path(tempfile.mkdtemp(prefix="rbpipe-staging-"))
+        self.staging = Staging(staging_dir)
+        self.required_keys = tuple(REQUIRED_KEYS if required_keys is None else required_keys)
+        self.reserve_rows = reserve_rows
+
+    # -- pickling: the proxy and the staging path travel; the manager object stays with its owner ----------------
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_manager"] = None
+        state["_owns_manager"] = False
+        return state
+
+    @property
+    def is_shared(self) -> bool:
+        return True
+
+    def share_memory_(self) -> "SharedMCAdvantage":
+        return self  # already shared: state lives in the manager
+
+    def shutdown(self) -> None:
+        """Stop the manager if this transform started it."""
+        if self._owns_manager and self._manager is not None:
+            self._manager.shutdown()
+            self._manager = None
+
+    # -- stats (same keys as torchrl) -----------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, float | int]:
+        return call(self._registry, "get_stats")
+
+    def _get_stat(self, name: str):
+        if getattr(self, "_registry", None) is None:
+            return self._stats[name]
+        return self.get_stats()[name]
+
+    def _set_stat(self, name: str, value) -> None:
+        if getattr(self, "_registry", None) is None:
+            self._stats[name] = value
+        else:
+            raise AttributeError(f"{name} is a shared counter; use reset_stats() to reset all of them")
+
+    def reset_stats(self) -> None:
+        if getattr(self, "_registry", None) is None:
+            return super().reset_stats()
+        call(self._registry, "reset_stats")
+
+    def clear_queues(self) -> None:
+        self.staging.delete(call(self._registry, "clear_queues"))
+
+    @property
+    def queued_groups(self) -> int:
+        return self.get_stats()["queued_groups"]
+
+    @property
+    def queued_trajectories(self) -> int:
+        return self.get_stats()["queued_trajectories"]
+
+    @property
+    def max_queued_trajectories_per_group(self) -> int:
+        return self.get_stats()["max_queued_trajectories_per_group"]
+
+    # -- splitting and validation (as MCAdvantage._inv_call, before anything is shared) --------------------------
+    def split_trajectories(self, tensordict: TensorDictBase) -> list[TensorDictBase]:
+        """Whole trajectories in ``tensordict`` (a [T] trajectory, several back to back, or a [B, T] batch)."""
+        if not isinstance(tensordict, TensorDictBase):
+            validate_trajectory(tensordict)  # raises the schema's clear message
+        if tensordict.ndim == 0:
+            tensordict = tensordict.unsqueeze(0)
+        if tensordict.ndim > 2:
+            tensordict = tensordict.flatten(0, -2)
+        if tensordict.ndim == 2:
+            return [t for traj in tensordict.unbind(0) for t in self.split_trajectories(traj)]
+        if self.done_key not in tensordict.keys(True, True):
+            validate_trajectory(tensordict, required=self.required_keys, reward_key=self.rewards_key,
+                                done_key=self.done_key)
+        done = tensordict.get(self.done_key).reshape(tensordict.shape[0], -1).any(-1)
+        if int(done.sum()) > 1:
+            ends = (done.nonzero(as_tuple=True)[0] + 1).tolist()
+            sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
+            if sum(sizes) < tensordict.shape[0]:
+                sizes.append(tensordict.shape[0] - sum(sizes))
+            return list(tensordict.split(sizes))
+        return [tensordict]
+
+    def _group_of(self, traj: TensorDictBase):
+        group = traj[0][self.prompt_key]
+        if isinstance(group, torch.Tensor):
+            return group.item() if group.numel() == 1 else tuple(group.reshape(-1).tolist())
+        if isinstance(group, str):
+            return group
+        raise BadTrajectoryError(f"group identifier {self.prompt_key!r} must be a string or a tensor, got "
+                                 f"{type(group).__name__}")
+
+    def prepare(self, tensordict: TensorDictBase) -> list[tuple[Any, TensorDictBase]]:
+        """Split and validate everything first: a bad trajectory rejects the whole call, nothing queued."""
+        trajs = self.split_trajectories(tensordict)
+        out = []
+        for traj in trajs:
+            validate_trajectory(traj, required=self.required_keys, reward_key=self.rewards_key,
+                                done_key=self.done_key)
+            out.append((self._group_of(traj), traj))
+        return out
+
+    # -- the write path ------------------------------------------------------------------------------------------
+    def process(self, tensordict: TensorDictBase) -> Iterator[Claim]:
+        """Queue every trajectory of ``tensordict``; yield the claims (completed groups) this process must write.
+
+        Each yielded claim has its members loaded and advantages set; write them, then :meth:`confirm`.
+        """
+        for group, traj in self.prepare(tensordict):
+            handle = self.staging.put(traj)
+            reward = encode_tensor(traj.get(self.rewards_key))
+            decision = call(self._registry, "append", group, handle, reward, os.getpid(), self.reserve_rows)
+            for orphan in decision["recovered"]:
+                yield self.load(orphan)
+            status = decision["status"]
+            if status == "dropped":
+                self.staging.delete(decision["handles"])
+            elif status == "write":
+                yield self.load(decision)
+
+    def recover(self, *, force: bool = False) -> list[Claim]:
+        """Claims of dead writers (``force``: of any other writer), loaded and ready to write + confirm."""
+        return [self.load(c) for c in call(self._registry, "recover", os.getpid(), force)]
+
+    def load(self, decision: dict) -> Claim:
+        claim = Claim(decision["claim_id"], decision["group"], list(decision["selected"]),
+                      list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"))
+        for handle, adv in zip(claim.selected, claim.advantages):
+            traj = self.staging.load(handle)
+            reward = traj.get(self.rewards_key)
+            traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
+            claim.members.append(traj)
+        return claim
+
+    def group_of(self, claim: Claim) -> TensorDictBase:
+        """The claim's members concatenated like torchrl does (contiguous when possible, else lazily)."""
+        return self._cat_tensordicts(claim.members, -1)
+
+    def confirm(self, claim: Claim) -> None:
+        """The group is in storage: count it as written and delete its staged payloads."""
+        call(self._registry, "confirm", claim.claim_id)
+        self.staging.delete(claim.handles)
+
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
+        """Stand-alone use (no rbpipe buffer): return completed groups, counted as written once returned."""
+        groups = []
+        for claim in self.process(tensordict):
+            groups.append(self.group_of(claim))
+            self.confirm(claim)
+        if not groups:
+            return None
+        return groups[0] if len(groups) == 1 else self._cat_tensordicts(groups, 0)
+
+    # -- persistence of pending queues ---------------------------------------------------------------------------
+    def pending_snapshot(self) -> dict:
+        """Everything still pending (handles + rewards in arrival order, claims, counters): save with torch.save."""
+        snap = call(self._registry, "snapshot")
+        snap["staging_dir"] = str(self.staging.path)
+        return snap
+
+    def restore_pending(self, snapshot: dict) -> int:
+        """Re-queue a snapshot into this (fresh) registry; its payloads must still be in the staging directory.
+
+        Unconfirmed claims come back ownerless: call :meth:`recover` (the buffer does) to write them.
+        """
+        missing = [h for _, members in snapshot["queued"] for h, _ in members
+                   if not (self.staging.path / h).exists()]
+        if missing:
+            raise ConfigError(f"{len(missing)} staged payload(s) of the snapshot are missing from "
+                              f"{self.staging.path} (e.g. {missing[0]}); restore with the staging_dir the "
+                              "snapshot was taken with")
+        return call(self._registry, "restore", snapshot)
+
+
+__all__ = ["SharedMCAdvantage", "Claim", "STAT_NAMES", "QUEUE_STATS"]

@@ -1,0 +1,57 @@
+"""``LossConfig``: one validated object for the whole objective (policy loss, KL, rollout IS, aggregation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rbpipe.errors import ConfigError
+from rbpipe.loss.functional import AGG_MODES, IS_LEVELS, IS_MODES, KL_KINDS, POLICY_KINDS, validate_bounds
+
+_DEFAULT_EPS = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "cispo": (0.2, 0.28)}
+
+
+@dataclass
+class LossConfig:
+    loss: str = "grpo"
+    eps_low: float | None = None  # default per loss: grpo 0.2/0.2, dapo and cispo 0.2/0.28
+    eps_high: float | None = None
+    dual_clip: float | None = None  # e.g. 3.0: dual-clip for negative advantages (grpo/dapo only)
+    loss_agg_mode: str = "token-mean"
+    agg_norm: float | None = None  # constant of seq-mean-token-sum-norm (default: max response length)
+    kl_type: str = "k3"
+    kl_coef: float = 0.0
+    rollout_is: str | None = None
+    rollout_is_mode: str = "truncate"
+    rollout_is_threshold: tuple[float, float] | None = (0.5, 2.0)
+    rollout_is_veto: tuple[float, float] | None = None
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.loss not in POLICY_KINDS:
+            raise ConfigError(f"--loss must be one of {', '.join(POLICY_KINDS)}, got {self.loss!r}")
+        lo, hi = _DEFAULT_EPS[self.loss]
+        self.eps_low = lo if self.eps_low is None else float(self.eps_low)
+        self.eps_high = hi if self.eps_high is None else float(self.eps_high)
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ConfigError(f"clip epsilons must satisfy 0 <= eps_low < 1 and eps_high >= 0, got "
+                              f"({self.eps_low}, {self.eps_high})")
+        if self.dual_clip is not None:
+            if self.loss == "cispo":
+                raise ConfigError("dual-clip applies to the PPO-style objectives (grpo, dapo), not to cispo")
+            if self.dual_clip <= 1:
+                raise ConfigError(f"dual-clip constant c must be > 1 (typically 3), got {self.dual_clip}")
+        if self.loss_agg_mode not in AGG_MODES:
+            raise ConfigError(f"--loss-agg-mode must be one of {', '.join(AGG_MODES)}, got {self.loss_agg_mode!r}")
+        if self.kl_type not in KL_KINDS:
+            raise ConfigError(f"--kl-type must be one of {', '.join(KL_KINDS)}, got {self.kl_type!r}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
+            raise ConfigError(f"--rollout-is must be one of {', '.join(IS_LEVELS)}, got {self.rollout_is!r}")
+        if self.rollout_is_mode not in IS_MODES:
+            raise ConfigError(f"--rollout-is-mode must be one of {', '.join(IS_MODES)}, got {self.rollout_is_mode!r}")
+        self.rollout_is_threshold = validate_bounds("--rollout-is-threshold", self.rollout_is_threshold)
+        self.rollout_is_veto = validate_bounds("--rollout-is-veto", self.rollout_is_veto)
+        if self.rollout_is is not None and self.rollout_is_threshold is None and self.rollout_is_veto is None:
+            raise ConfigError("--rollout-is needs --rollout-is-threshold LOWER UPPER (or a veto): without bounds "
+                              "the weights are unbounded")

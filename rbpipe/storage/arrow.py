@@ -1,0 +1,350 @@
+"""``ArrowStorage``: the default store. Arrow IPC stream segments, one record batch per group.
+
+Each writer process appends to its own segment file (``segments/<host>-<pid>-<rand>.arrows.inprogress``,
+renamed to ``.arrows`` when sealed), so concurrent writers never share a file. Batches are read back
+memory-mapped copy-on-write: zero-copy, and an in-place edit of a sampled tensor never reaches the file.
+``compact()`` rewrites the sealed segments' live groups into one batch, after which random-row
+sampling is a single numpy gather per column.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from rbpipe.storage.base import GroupStorage, pid_alive, writer_id
+from rbpipe.storage.format import SEGMENTS_DIR
+from rbpipe.storage.layout import Column, GroupColumns, Schema
+
+SEALED = ".arrows"
+IN_PROGRESS = ".arrows.inprogress"
+EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def _pa_type(c: Column) -> pa.DataType:
+    return pa.from_numpy_dtype(c.np_dtype)
+
+
+def arrow_schema(schema: Schema) -> pa.Schema:
+    """The Arrow schema of a store's segments (FORMAT.md, "Arrow segments")."""
+    fields = []
+    for c in schema.columns:
+        t = _pa_type(c)
+        if c.ragged:
+            fields.append(pa.field(c.name, pa.large_list(t), nullable=False))
+            fields.append(pa.field(c.name + ".__shape", pa.list_(pa.int64(), c.ndim), nullable=False))
+        else:
+            width = int(np.prod(c.shape)) * (2 if c.complex else 1)
+            if c.shape == () and not c.complex:
+                fields.append(pa.field(c.name, t, nullable=False))
+            else:
+                fields.append(pa.field(c.name, pa.list_(t, width), nullable=False))
+    import json
+    return pa.schema(fields, metadata={"rbpipe.schema": json.dumps(schema.to_json())})
+
+
+def to_record_batch(cols: GroupColumns, schema: Schema, pschema: pa.Schema) -> pa.RecordBatch:
+    arrays = []
+    for c in schema.columns:
+        if c.ragged:
+            values, shapes = cols.ragged[c.key]
+            flat = values.reshape(-1)
+            sizes = shapes.prod(1) * (2 if c.complex else 1) if c.ndim else np.ones(cols.n, np.int64)
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat)))
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1)), c.ndim))
+        else:
+            a = np.ascontiguousarray(cols.fixed[c.key])
+            if c.shape == () and not c.complex:
+                arrays.append(pa.array(a.reshape(-1)))
+            else:
+                flat = a.reshape(-1)
+                arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), flat.size // cols.n))
+    return pa.RecordBatch.from_arrays(arrays, schema=pschema)
+
+
+class _Segment:
+    """A copy-on-write memory map of one segment file, remapped when the file has grown."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.mm = None
+        self.base = 0
+        self.size = 0
+
+    def buffer(self, end: int):
+        if self.mm is None or end > self.size:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
+            self.size = len(self.mm)
+            self.bytes = np.frombuffer(self.mm, np.uint8)
+            self.base = self.bytes.ctypes.data
+            self.pabuf = pa.py_buffer(self.mm)
+        return self
+
+
+class ArrowStorage(GroupStorage):
+    """A torchrl ``Storage`` of whole groups on disk (Arrow IPC, memory-mapped). See ``docs/FORMAT.md``.
+
+    Args:
+        path: store directory (created if absent and ``create``).
+
+    Keyword Args:
+        max_size: live rows kept (oldest whole groups are evicted beyond it); None = unbounded.
+        max_bytes: same, in bytes of group data.
+        ragged_keys: keys whose per-row shape varies (also detected from the first write).
+        group_key: key holding the group id (recorded in the catalogue).
+        catalog_columns: catalogue column -> (key, "value" | "length"); default: returns, advantages,
+            collectors, policy_versions, lengths (columns whose key is absent are skipped).
+        create: create the store when ``path`` is not one yet.
+    """
+
+    backend = "arrow"
+
+    def _open_backend(self) -> None:
+        self._seg_dir = self.path / SEGMENTS_DIR
+        self._seg_dir.mkdir(exist_ok=True)
+        self._segments: dict[str, _Segment] = {}
+        self._blocks: dict[tuple, int] = {}
+        self._block_locs: list[tuple] = []
+        self._views: dict[int, dict] = {}
+        self._pschema = None
+        self._wfd = -1
+        self._wname = None
+        self._wpos = 0
+        self._wbatches = 0
+
+    def _on_schema(self, schema: Schema) -> None:
+        self._pschema = arrow_schema(schema)
+
+    # -- writing ------------------------------------------------------------------------------------------
+    def _write_group(self, cols: GroupColumns) -> tuple[dict, int]:
+        batch = to_record_batch(cols, self._schema, self._pschema)
+        if self._wfd < 0:
+            self._wname = writer_id()
+            self._wfd = os.open(self._seg_dir / (self._wname + IN_PROGRESS),
+                                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            head = self._pschema.serialize()
+            os.write(self._wfd, head)
+            self._wpos = head.size
+            self._wbatches = 0
+        buf = batch.serialize()
+        written = os.write(self._wfd, buf)
+        if written != buf.size:
+            raise OSError(f"short write to segment {self._wname} ({written} of {buf.size} bytes)")
+        loc = {"seg": self._wname, "off": self._wpos, "len": buf.size, "batch": self._wbatches, "row": 0}
+        self._wpos += buf.size
+        self._wbatches += 1
+        return loc, buf.size
+
+    def _seal(self) -> None:
+        if self._wfd >= 0:
+            os.write(self._wfd, EOS)
+            os.close(self._wfd)
+            self._wfd = -1
+            src = self._seg_dir / (self._wname + IN_PROGRESS)
+            os.rename(src, self._seg_dir / (self._wname + SEALED))
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._wfd = -1  # the parent's segment stays the parent's
+        self._segments = {}
+        self._views = {}
+
+    def _writer_name(self) -> str:
+        return self._wname or super()._writer_name()
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def _block_id(self, loc: dict) -> int:
+        key = (loc["seg"], loc["off"], loc["len"])
+        bid = self._blocks.get(key)
+        if bid is None:
+            bid = self._blocks[key] = len(self._block_locs)
+            self._block_locs.append(key)
+        return bid
+
+    def _segment(self, name: str, end: int) -> _Segment:
+        seg = self._segments.get(name)
+        if seg is None:
+            sealed = self._seg_dir / (name + SEALED)
+            seg = _Segment(sealed if sealed.exists() else self._seg_dir / (name + IN_PROGRESS))
+            self._segments[name] = seg
+        try:
+            return seg.buffer(end)
+        except FileNotFoundError:  # sealed (renamed) since we looked
+            seg.path = self._seg_dir / (name + SEALED)
+            seg.mm = None
+            return seg.buffer(end)
+
+    def _view(self, block: int) -> dict:
+        """numpy views (writable, copy-on-write) of one batch's columns."""
+        v = self._views.get(block)
+        if v is not None:
+            return v
+        name, off, length = self._block_locs[block]
+        seg = self._segment(name, off + length)
+        batch = pa.ipc.read_record_batch(pa.ipc.read_message(seg.pabuf.slice(off, length)), self._pschema)
+        v = {}
+        i = 0
+        n = batch.num_rows
+
+        def arr(buf, dtype, count, first=0):
+            dtype = np.dtype(dtype)
+            if count == 0 or buf is None:
+                return np.zeros(0, dtype)
+            start = buf.address - seg.base + first * dtype.itemsize
+            if not 0 <= start <= seg.size - count * dtype.itemsize:  # not inside the map: copy
+                return np.frombuffer(buf, dtype, count, first * dtype.itemsize).copy()
+            return np.frombuffer(seg.mm, dtype, count, start)
+
+        for c in self._schema.columns:
+            col = batch.column(i)
+            if c.ragged:
+                offsets = arr(col.buffers()[1], np.int64, n + 1, col.offset)
+                values = arr(col.buffers()[3], c.np_dtype, int(offsets[-1]))
+                shapes = arr(batch.column(i + 1).buffers()[2], np.int64, n * c.ndim).reshape(n, c.ndim)
+                v[c.key] = (values, offsets, shapes)
+                i += 2
+            else:
+                trail = tuple(c.shape) + ((2,) if c.complex else ())
+                width = int(np.prod(trail))
+                data_buf = col.buffers()[1] if not trail else col.buffers()[2]
+                v[c.key] = arr(data_buf, c.np_dtype, n * width).reshape(n, *trail)
+                i += 1
+        self._views[block] = v
+        return v
+
+    def _gather(self, block, local_rows, keys=None) -> dict:
+        if block is None:
+            return {c.key: ([] if c.ragged else np.zeros((0, *c.shape), c.np_dtype))
+                    for c in self._schema.columns}
+        v = self._view(block)
+        out = {}
+        contiguous = len(local_rows) > 0 and local_rows[-1] - local_rows[0] == len(local_rows) - 1 and (
+            len(local_rows) == 1 or (np.diff(local_rows) == 1).all())
+        for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
+            if c.ragged:
+                values, offsets, shapes = v[c.key]
+                trail = (2,) if c.complex else ()
+                out[c.key] = [values[offsets[r]:offsets[r + 1]].reshape(*shapes[r], *trail)
+                              for r in local_rows.tolist()]
+            elif contiguous:
+                out[c.key] = v[c.key][local_rows[0]:local_rows[-1] + 1]
+            else:
+                out[c.key] = v[c.key][local_rows]
+        return out
+
+    def _on_move(self, rec: dict) -> None:
+        self._views = {b: v for b, v in self._views.items() if self._block_locs[b][0] != rec.get("from")}
+
+    # -- maintenance --------------------------------------------------------------------------------------
+    def check_tail(self) -> dict:
+        """Report data that is on disk but not committed (never served): dead writers' uncommitted tails."""
+        out = super().check_tail()
+        committed_end: dict[str, int] = {}
+        for r in self._groups.values():
+            loc = r["loc"]
+            committed_end[loc["seg"]] = max(committed_end.get(loc["seg"], 0), loc["off"] + loc["len"])
+        torn = []
+        for p in self._seg_dir.glob("*" + IN_PROGRESS):
+            name = p.name[: -len(IN_PROGRESS)]
+            try:
+                host, pid = name.rsplit("-", 2)[0], int(name.rsplit("-", 2)[1])
+            except (ValueError, IndexError):
+                continue
+            import socket
+            if host != socket.gethostname() or pid_alive(pid):
+                continue
+            size = p.stat().st_size
+            end = committed_end.get(name, 0)
+            if size > end:
+                torn.append({"segment": p.name, "uncommitted_bytes": size - end})
+        out["dead_segments_with_uncommitted_bytes"] = torn
+        return out
+
+    def compact(self) -> int:
+        """Rewrite the live groups of sealed segments into one sealed segment of one batch.
+
+        Returns the number of groups moved. Random-row reads then touch one batch. Concurrent compactions
+        are skipped (a lock file), writers are not blocked; old segments are deleted after the commit.
+        """
+        lock_fd = os.open(self.path / ".compact.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0
+            self._refresh()
+            if self._schema is None:
+                return 0
+            sealed = {p.name[: -len(SEALED)] for p in self._seg_dir.glob("*" + SEALED)}
+            recs = [r for r in self._groups.values() if r["loc"]["seg"] in sealed]
+            if not recs or len({(r["loc"]["seg"], r["loc"]["off"]) for r in recs}) == 1:
+                return 0
+            from rbpipe.storage.layout import GroupColumns as GC
+            merged = GC(n=0)
+            parts = []
+            rowpos = 0
+            moves = []
+            for r in recs:
+                b = self._block_id(r["loc"])
+                rows = np.arange(r["loc"]["row"], r["loc"]["row"] + r["n"])
+                parts.append(self._gather(b, rows))
+                moves.append([r["seq"], rowpos])
+                rowpos += r["n"]
+            merged.n = rowpos
+            for c in self._schema.columns:
+                if c.ragged:
+                    lst = [a for p in parts for a in p[c.key]]
+                    merged.ragged[c.key] = (np.concatenate([a.reshape(-1) for a in lst]),
+                                            np.asarray([a.shape[:c.ndim] for a in lst], np.int64
+                                                       ).reshape(len(lst), c.ndim))
+                else:
+                    merged.fixed[c.key] = np.concatenate([p[c.key] for p in parts])
+            name = "compact-" + _wid()
+            head = self._pschema.serialize()
+            body = to_record_batch(merged, self._schema, self._pschema).serialize()
+            tmp = self._seg_dir / (name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(body)
+                f.write(EOS)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, self._seg_dir / (name + SEALED))
+            loc0 = {"seg": name, "off": head.size, "len": body.size, "batch": 0}
+            self._log.append(lambda seq: {"t": "move", "time": time.time(),
+                                          "groups": [[s, dict(loc0, row=row)] for s, row in moves]},
+                             self._apply)
+            old = {r["loc"]["seg"] for r in recs} - {name}
+            live = {r["loc"]["seg"] for r in self._groups.values()}
+            for seg in old - live:
+                (self._seg_dir / (seg + SEALED)).unlink(missing_ok=True)
+                self._segments.pop(seg, None)
+            self._views = {}
+            return len(moves)
+        finally:
+            os.close(lock_fd)
+
+    def _after_evict(self) -> None:
+        """Delete sealed segments that hold no live group any more."""
+        live = {r["loc"]["seg"] for r in self._groups.values()}
+        if self._wname:
+            live.add(self._wname)
+        for p in self._seg_dir.glob("*" + SEALED):
+            name = p.name[: -len(SEALED)]
+            if name not in live:
+                p.unlink(missing_ok=True)
+
+
+def _wid() -> str:
+    return writer_id()

@@ -1,0 +1,413 @@
+"""What both backends share: the commit protocol, row/group bookkeeping, reads, retention, pickling.
+
+Rows are numbered by *position* among the live groups in commit order: row 0 is the first row of the
+oldest group not evicted. Evicting groups therefore shifts every later row index down by the number of
+rows evicted (``group_spans()`` always reports current positions; its sequence numbers never change).
+Backends only write a group's columns somewhere and gather rows back (``_write_group``/``_gather``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+from torchrl.data.replay_buffers.storages import Storage
+
+from rbpipe.errors import SchemaError, StoreError
+from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
+                           VERSION_KEY)
+from rbpipe.storage.commitlog import CommitLog
+from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
+from rbpipe.storage.layout import GroupColumns, Schema, from_storage_np, key_tuple
+
+NestedKey = Any
+UNBOUNDED = torch.iinfo(torch.int64).max
+
+DEFAULT_CATALOG_COLUMNS: dict[str, tuple[NestedKey, str]] = {
+    "returns": (REWARD_KEY, "value"),
+    "advantages": (ADVANTAGE_KEY, "value"),
+    "collectors": (COLLECTOR_KEY, "value"),
+    "policy_versions": (VERSION_KEY, "value"),
+    "lengths": (RESPONSE_TOKENS_KEY, "length"),
+}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def writer_id() -> str:
+    """Name of this process's segment: host, pid and a random part (a restarted pid gets a new one)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class GroupStorage(Storage):
+    """Base class of :class:`ArrowStorage` and :class:`ZarrStorage` (see their docs)."""
+
+    backend = ""
+
+    def __init__(self, path: str | os.PathLike, *, max_size: int | None = None, max_bytes: int | None = None,
+                 ragged_keys: Sequence[NestedKey] = (), group_key: NestedKey = GROUP_KEY,
+                 catalog_columns: Mapping[str, tuple[NestedKey, str]] | None = None, create: bool = True,
+                 catalog_every: int = 32) -> None:
+        if max_size is not None and max_size < 1:
+            raise StoreError(f"max_size must be a positive number of rows or None, got {max_size}")
+        super().__init__(max_size=UNBOUNDED if max_size is None else max_size)
+        self._init_args = dict(max_size=max_size, max_bytes=max_bytes,
+                               ragged_keys=[list(key_tuple(k)) for k in ragged_keys], group_key=group_key,
+                               catalog_columns=None if catalog_columns is None else
+                               {k: (list(key_tuple(v[0])), v[1]) for k, v in catalog_columns.items()},
+                               create=create, catalog_every=catalog_every)
+        self.path = Path(path).absolute()
+        self.max_bytes = max_bytes
+        self.ragged_keys = tuple(key_tuple(k) for k in ragged_keys)
+        self.group_key = key_tuple(group_key)
+        cat = DEFAULT_CATALOG_COLUMNS if catalog_columns is None else catalog_columns
+        for name, (_, red) in cat.items():
+            if red not in ("value", "length"):
+                raise StoreError(f"catalog column {name!r} has reduction {red!r}; use 'value' or 'length'")
+        self.catalog_columns = {name: (key_tuple(k), red) for name, (k, red) in cat.items()}
+        self.catalog_every = catalog_every
+        self.meta = create_or_open(self.path, self.backend, create=create,
+                                   options={"ragged_keys": self._init_args["ragged_keys"]})
+        self._log = CommitLog(self.path / COMMIT_LOG)
+        self._schema: Schema | None = None
+        self._groups: dict[int, dict] = {}  # seq -> group record, in commit order
+        self._evicted_upto = -1
+        self._index_cache = None
+        self._pid = os.getpid()
+        self._pending_catalog: list[dict] = []
+        self._open_backend()
+        self._refresh()
+        self.torn_tail = self.check_tail()
+
+    # -- commit-log state -------------------------------------------------------------------------------
+    def _apply(self, records: list[dict]) -> None:
+        for rec in records:
+            kind = rec.get("t")
+            if kind == "schema" and self._schema is None:
+                self._schema = Schema.from_json(rec["schema"])
+                self._on_schema(self._schema)
+            elif kind == "group" and rec["seq"] > self._evicted_upto:
+                self._groups[rec["seq"]] = rec
+                self._index_cache = None
+            elif kind == "evict":
+                self._evicted_upto = max(self._evicted_upto, rec["upto"])
+                for seq in [s for s in self._groups if s <= rec["upto"]]:
+                    del self._groups[seq]
+                self._index_cache = None
+            elif kind == "move":
+                for seq, loc in rec["groups"]:
+                    if int(seq) in self._groups:
+                        self._groups[int(seq)] = dict(self._groups[int(seq)], loc=loc)
+                self._index_cache = None
+                self._on_move(rec)
+
+    def _refresh(self) -> None:
+        self._apply(self._log.read_new())
+
+    def _index(self):
+        """Arrays over live groups in commit order: seq, first row, stop row, block id, local row start."""
+        if self._index_cache is None:
+            recs = list(self._groups.values())
+            n = np.fromiter((r["n"] for r in recs), np.int64, len(recs))
+            stops = np.cumsum(n)
+            starts = stops - n
+            blocks = np.fromiter((self._block_id(r["loc"]) for r in recs), np.int64, len(recs))
+            local = np.fromiter((r["loc"].get("row", 0) for r in recs), np.int64, len(recs))
+            seqs = np.fromiter(self._groups.keys(), np.int64, len(recs))
+            self._index_cache = (seqs, starts, stops, blocks, local, recs)
+        return self._index_cache
+
+    def __len__(self) -> int:
+        self._refresh()
+        stops = self._index()[2]
+        return int(stops[-1]) if len(stops) else 0
+
+    def group_spans(self) -> torch.Tensor:
+        """``[n_groups, 3]`` int64: (commit sequence number, first row, stop row) of live groups, oldest first."""
+        self._refresh()
+        seqs, starts, stops = self._index()[:3]
+        return torch.from_numpy(np.stack([seqs, starts, stops], 1) if len(seqs) else np.zeros((0, 3), np.int64))
+
+    @property
+    def schema(self) -> Schema | None:
+        self._refresh()
+        return self._schema
+
+    # -- writes -------------------------------------------------------------------------------------------
+    def append_group(self, td: TensorDictBase) -> torch.Tensor:
+        """Commit one whole group atomically; return its row indices (positions at commit time)."""
+        if os.getpid() != self._pid:
+            self._after_fork()
+        self._refresh()
+        if self._schema is None:
+            candidate = Schema.infer(td, self.ragged_keys)
+            self._log.append(lambda seq: None if self._schema is not None else
+                             {"t": "schema", "schema": candidate.to_json(), "time": time.time()}, self._apply)
+        cols = self._schema.split(td)  # raises SchemaError before anything is written
+        loc, nbytes = self._write_group(cols)
+        cat = self._catalog_values(cols)
+        gid = None
+        if self.group_key in cols.fixed and cols.fixed[self.group_key].size:
+            gid = cols.fixed[self.group_key].reshape(-1)[0].item()
+        rec = self._log.append(lambda seq: {"t": "group", "n": cols.n, "loc": loc, "bytes": nbytes,
+                                            "time": time.time(), "gid": gid, "cat": cat,
+                                            "writer": self._writer_name()}, self._apply)
+        self._pending_catalog.append(rec)
+        self._retain()
+        if len(self._pending_catalog) >= self.catalog_every:
+            self.flush_catalog()
+        seqs, starts = self._index()[:2]
+        pos = int(np.searchsorted(seqs, rec["seq"]))
+        if pos >= len(seqs) or seqs[pos] != rec["seq"]:  # evicted at once (larger than max_size/max_bytes)
+            return torch.zeros(0, dtype=torch.int64)
+        self._bump_mutation_revision()
+        return torch.arange(int(starts[pos]), int(starts[pos]) + cols.n)
+
+    def _retain(self) -> None:
+        if self.max_size == UNBOUNDED and self.max_bytes is None:
+            return
+
+        def make(seq):
+            recs = list(self._groups.values())
+            rows = sum(r["n"] for r in recs)
+            nbytes = sum(r["bytes"] for r in recs)
+            upto = None
+            for r in recs[:-1]:  # always keep the newest group
+                if rows <= self.max_size and (self.max_bytes is None or nbytes <= self.max_bytes):
+                    break
+                rows -= r["n"]
+                nbytes -= r["bytes"]
+                upto = r["seq"]
+            return None if upto is None else {"t": "evict", "upto": upto, "time": time.time()}
+
+        recs = list(self._groups.values())
+        if (sum(r["n"] for r in recs) > self.max_size
+                or (self.max_bytes is not None and sum(r["bytes"] for r in recs) > self.max_bytes)):
+            self._log.append(make, self._apply)
+            self._after_evict()
+
+    def _catalog_values(self, cols: GroupColumns) -> dict[str, list]:
+        out = {}
+        for name, (key, red) in self.catalog_columns.items():
+            if key in cols.fixed:
+                a = cols.fixed[key]
+                if red == "value":
+                    out[name] = a.reshape(cols.n, -1).sum(1).tolist()
+                else:
+                    out[name] = [a.shape[1] if a.ndim > 1 else 1] * cols.n
+            elif key in cols.ragged:
+                values, shapes = cols.ragged[key]
+                if red == "length":
+                    out[name] = shapes[:, 0].tolist() if shapes.shape[1] else [1] * cols.n
+                else:
+                    sizes = shapes.prod(1) if shapes.shape[1] else np.ones(cols.n, np.int64)
+                    flat = values.reshape(-1)
+                    sizes = sizes * (flat.size // max(int(sizes.sum()), 1))
+                    csum = np.concatenate([[0], np.cumsum(flat, dtype=np.float64 if flat.dtype.kind == "f"
+                                                          else np.int64)])
+                    ends = np.cumsum(sizes)
+                    out[name] = (csum[ends] - csum[ends - sizes]).tolist()
+        return out
+
+    def set(self, cursor, data, *, set_cursor: bool = True):
+        """torchrl writer entry point. The store is append-only: only writing at the end is allowed."""
+        idx = torch.as_tensor(cursor).reshape(-1) if not isinstance(cursor, slice) else None
+        if idx is not None and idx.numel() and int(idx[0]) != len(self):
+            raise StoreError(f"{type(self).__name__} is append-only and cannot overwrite rows {idx.tolist()[:4]}"
+                             "...; use rbpipe.storage.GroupWriter as the buffer's writer")
+        return self.append_group(data if data.ndim else data.unsqueeze(0))
+
+    def flush_catalog(self) -> None:
+        """Write pending catalogue rows as one parquet file (tmp name, then rename)."""
+        if self._pending_catalog:
+            from rbpipe.storage.catalog import write_catalog_rows
+            write_catalog_rows(self.path, self._pending_catalog, self.catalog_columns)
+            self._pending_catalog = []
+
+    def close(self) -> None:
+        """Flush the catalogue and seal this process's segment (readers keep working)."""
+        if os.getpid() == self._pid:
+            self.flush_catalog()
+            self._seal()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- reads --------------------------------------------------------------------------------------------
+    def _rows(self, index) -> tuple[np.ndarray, bool]:
+        n = len(self)
+        if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):
+            rows, scalar = np.asarray([int(index)], np.int64), True
+        elif isinstance(index, slice):
+            rows, scalar = np.arange(*index.indices(n), dtype=np.int64), False
+        elif isinstance(index, range):
+            rows, scalar = np.asarray(index, np.int64), False
+        else:
+            if isinstance(index, tuple) and len(index) == 1:
+                index = index[0]
+            rows = torch.as_tensor(index).reshape(-1).numpy().astype(np.int64)
+            scalar = False
+        rows = np.where(rows < 0, rows + n, rows)
+        if rows.size and (rows.min() < 0 or rows.max() >= n):
+            raise IndexError(f"row index out of range for a store of {n} rows")
+        return rows, scalar
+
+    def _gather_rows(self, rows: np.ndarray) -> dict[tuple, Any]:
+        seqs, starts, stops, blocks, local, _ = self._index()
+        g = np.searchsorted(stops, rows, side="right")
+        blk = blocks[g]
+        loc = rows - starts[g] + local[g]
+        out: dict[tuple, Any] = {}
+        if rows.size == 0:
+            return self._gather(None, loc)
+        if (blk == blk[0]).all():
+            return self._gather(int(blk[0]), loc)
+        order = np.argsort(blk, kind="stable")
+        sorted_blk = blk[order]
+        cuts = np.flatnonzero(np.diff(sorted_blk)) + 1
+        parts = [self._gather(int(sorted_blk[s]), loc[order[s:e]])
+                 for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(order)])]
+        inv = None if (np.diff(order) == 1).all() else np.argsort(order)
+        for c in self._schema.columns:
+            if c.ragged:
+                merged = [a for p in parts for a in p[c.key]]
+                out[c.key] = merged if inv is None else [merged[i] for i in inv]
+            else:
+                merged = np.concatenate([p[c.key] for p in parts])
+                out[c.key] = merged if inv is None else merged[inv]
+        return out
+
+    def get(self, index) -> TensorDictBase:
+        """Rows as a dense TensorDict (no ragged key) or a LazyStackedTensorDict of rows (ragged keys)."""
+        rows, scalar = self._rows(index)
+        if self._schema is None:
+            raise IndexError("the store is empty")
+        try:
+            data = self._gather_rows(rows)
+        except FileNotFoundError:  # a compaction removed a segment since our last refresh
+            self._refresh()
+            data = self._gather_rows(rows)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            td = self._to_td(data, len(rows))
+        return td[0] if scalar else td
+
+    def _to_td(self, data: dict, m: int) -> TensorDictBase:
+        cols = self._schema.columns
+        if not self._schema.has_ragged:
+            td = TensorDict(_nest({c.key: from_storage_np(data[c.key], c.dtype) for c in cols}), batch_size=[m])
+            return td
+        fixed = [(c.key, from_storage_np(data[c.key], c.dtype)) for c in cols if not c.ragged]
+        ragged = [(c, data[c.key]) for c in cols if c.ragged]
+        rows = []
+        for i in range(m):
+            d = {k: t[i] for k, t in fixed}
+            for c, lst in ragged:
+                d[c.key] = from_storage_np(lst[i], c.dtype)
+            rows.append(TensorDict(_nest(d), batch_size=[]))
+        if not rows:
+            return TensorDict({c.key: torch.zeros(0) for c in cols if not c.ragged}, batch_size=[0])
+        return lazy_stack(rows, 0)
+
+    def read_column(self, key: NestedKey, rows=None) -> torch.Tensor:
+        """A fixed-shape column (all live rows, or ``rows``) as one tensor; the samplers' fast path."""
+        key = key_tuple(key)
+        self._refresh()
+        col = self._schema.by_key.get(key) if self._schema else None
+        if col is None or col.ragged:
+            raise SchemaError(f"read_column needs a fixed-shape column; {'.'.join(key)!r} is "
+                              f"{'ragged' if col else 'not in the store'}")
+        r, _ = self._rows(slice(None) if rows is None else rows)
+        seqs, starts, stops, blocks, local, _ = self._index()
+        g = np.searchsorted(stops, r, side="right")
+        blk, loc = blocks[g], r - starts[g] + local[g]
+        out = np.empty((len(r), *col.shape, *((2,) if col.complex else ())), col.np_dtype)
+        for b in np.unique(blk):
+            m = blk == b
+            out[m] = self._gather(int(b), loc[m], keys=(key,))[key]
+        return from_storage_np(out, col.dtype)
+
+    # -- checkpointing / pickling ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "backend": self.backend, "format_version": FORMAT_VERSION,
+                "init_args": self._init_args, "rows": len(self), "groups": len(self._groups)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if Path(state_dict["path"]).absolute() != self.path:
+            self.close()
+            self.__setstate__({"path": state_dict["path"], "init_args": state_dict["init_args"]})
+
+    def dumps(self, path) -> None:
+        import json
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.flush_catalog()
+        (Path(path) / "storage_state.json").write_text(json.dumps(self.state_dict()))
+
+    def loads(self, path) -> None:
+        import json
+        self.load_state_dict(json.loads((Path(path) / "storage_state.json").read_text()))
+
+    def __getstate__(self) -> dict:
+        if os.getpid() == self._pid:
+            self.flush_catalog()
+        return {"path": str(self.path), "init_args": self._init_args}
+
+    def __setstate__(self, state: dict) -> None:
+        type(self).__init__(self, state["path"], **dict(state["init_args"], create=False))
+
+    def _empty(self) -> None:
+        """``ReplayBuffer.empty()``: evict every committed group."""
+        self._refresh()
+        if self._groups:
+            last = max(self._groups)
+            self._log.append(lambda seq: {"t": "evict", "upto": last, "time": time.time()}, self._apply)
+            self._after_evict()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={str(self.path)!r}, rows={len(self)}, groups={len(self._groups)})"
+
+    # -- backend hooks ------------------------------------------------------------------------------------
+    def _open_backend(self) -> None: ...
+    def _on_schema(self, schema: Schema) -> None: ...
+    def _on_move(self, rec: dict) -> None: ...
+    def _after_evict(self) -> None: ...
+    def _after_fork(self) -> None:
+        self._pid = os.getpid()
+        self._pending_catalog = []
+    def _seal(self) -> None: ...
+    def _writer_name(self) -> str:
+        return f"{socket.gethostname()}-{os.getpid()}"
+    def check_tail(self) -> dict:
+        return {"torn_commit_lines": self._log.torn_lines, "unterminated_commit_bytes": self._log.pending_bytes}
+    def _block_id(self, loc: dict) -> int: ...
+    def _write_group(self, cols: GroupColumns) -> tuple[dict, int]: ...
+    def _gather(self, block: int | None, local_rows: np.ndarray, keys=None) -> dict: ...
+
+
+def _nest(d: dict) -> dict:
+    out: dict = {}
+    for key, v in d.items():
+        cur = out
+        for part in key[:-1]:
+            cur = cur.setdefault(part, {})
+        cur[key[-1]] = v
+    return out

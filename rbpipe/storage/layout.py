@@ -1,0 +1,235 @@
+"""The column schema of a store, inferred from the first write, and TensorDict <-> column conversion.
+
+Every tensor leaf becomes one column. A *fixed* column has the same trailing shape on every row; a
+*ragged* column keeps each row's own trailing shape (same ndim and dtype). Both backends use this module,
+so the schema rules (and their :class:`SchemaError` messages) are the same everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+
+from rbpipe.errors import SchemaError
+
+NestedKey = Any
+
+# torch dtype -> (name, numpy storage dtype, extra trailing dim for complex)
+_DTYPES: dict[torch.dtype, tuple[str, np.dtype]] = {
+    torch.bool: ("bool", np.dtype(np.uint8)),
+    torch.uint8: ("uint8", np.dtype(np.uint8)),
+    torch.int8: ("int8", np.dtype(np.int8)),
+    torch.int16: ("int16", np.dtype(np.int16)),
+    torch.int32: ("int32", np.dtype(np.int32)),
+    torch.int64: ("int64", np.dtype(np.int64)),
+    torch.float16: ("float16", np.dtype(np.float16)),
+    torch.bfloat16: ("bfloat16", np.dtype(np.uint16)),
+    torch.float32: ("float32", np.dtype(np.float32)),
+    torch.float64: ("float64", np.dtype(np.float64)),
+    torch.complex64: ("complex64", np.dtype(np.float32)),
+    torch.complex128: ("complex128", np.dtype(np.float64)),
+}
+_BY_NAME = {name: (dt, npdt) for dt, (name, npdt) in _DTYPES.items()}
+
+
+def key_tuple(key: NestedKey) -> tuple[str, ...]:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def column_name(key: NestedKey) -> str:
+    """Column name of a nested key: its parts joined by '.' (FORMAT.md)."""
+    return ".".join(key_tuple(key))
+
+
+def to_storage_np(t: torch.Tensor) -> np.ndarray:
+    """Tensor -> numpy array in the storage dtype (bool as uint8, bfloat16 bits as uint16, complex as
+    a trailing [..., 2] of reals)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    if t.dtype == torch.bool:
+        return t.numpy().view(np.uint8)
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj()).numpy()
+    return t.numpy()
+
+
+def from_storage_np(a: np.ndarray, dtype_name: str) -> torch.Tensor:
+    """Inverse of :func:`to_storage_np`; zero-copy when ``a`` is writable (copy-on-write map)."""
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if dtype_name == "bool":
+        return torch.from_numpy(a.view(np.bool_))
+    if dtype_name.startswith("complex"):
+        return torch.view_as_complex(torch.from_numpy(np.ascontiguousarray(a)))
+    return torch.from_numpy(a)
+
+
+@dataclass
+class Column:
+    key: tuple[str, ...]
+    dtype: str  # torch dtype name
+    shape: tuple[int, ...] | None  # trailing shape of fixed columns; None when ragged
+    ndim: int  # trailing ndim (ragged rows keep it)
+
+    @property
+    def name(self) -> str:
+        return column_name(self.key)
+
+    @property
+    def ragged(self) -> bool:
+        return self.shape is None
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return _BY_NAME[self.dtype][1]
+
+    @property
+    def complex(self) -> bool:
+        return self.dtype.startswith("complex")
+
+    def to_json(self) -> dict:
+        return {"key": list(self.key), "column": self.name, "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape), "ndim": self.ndim}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Column":
+        return cls(tuple(d["key"]), d["dtype"], None if d["shape"] is None else tuple(d["shape"]), d["ndim"])
+
+
+@dataclass
+class GroupColumns:
+    """One group as numpy columns: fixed -> array [n, *shape]; ragged -> (flat values, shapes [n, ndim])."""
+    n: int
+    fixed: dict[tuple, np.ndarray] = field(default_factory=dict)
+    ragged: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+def _rows(td: TensorDictBase) -> list[TensorDictBase] | None:
+    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
+        return list(td.tensordicts)
+    if isinstance(td, LazyStackedTensorDict):
+        return list(td.unbind(0))
+    return None
+
+
+def _leaf_keys(td: TensorDictBase) -> list[tuple[str, ...]]:
+    return sorted(key_tuple(k) for k in td.keys(True, True, is_leaf=_is_tensor_leaf))
+
+
+def _is_tensor_leaf(cls) -> bool:
+    return issubclass(cls, torch.Tensor)
+
+
+def _per_row(td: TensorDictBase, rows, key) -> list[torch.Tensor]:
+    if rows is None:
+        return list(td.get(key).unbind(0))
+    return [r.get(key) for r in rows]
+
+
+class Schema:
+    """Columns of a store. ``infer`` builds it from the first write; ``split`` checks later writes."""
+
+    def __init__(self, columns: Sequence[Column]):
+        self.columns = list(columns)
+        self.by_key = {c.key: c for c in self.columns}
+
+    @property
+    def has_ragged(self) -> bool:
+        return any(c.ragged for c in self.columns)
+
+    def to_json(self) -> list[dict]:
+        return [c.to_json() for c in self.columns]
+
+    @classmethod
+    def from_json(cls, cols: list[dict]) -> "Schema":
+        return cls([Column.from_json(c) for c in cols])
+
+    @classmethod
+    def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> "Schema":
+        if td.ndim != 1:
+            raise SchemaError(f"a group must be a TensorDict with one batch dimension (its members), got "
+                              f"batch_size={tuple(td.batch_size)}")
+        declared = {key_tuple(k) for k in ragged_keys}
+        rows = _rows(td)
+        cols = []
+        for key in _leaf_keys(td):
+            if rows is None:
+                t = td.get(key)
+                shapes = {tuple(t.shape[1:])}
+                dtype = t.dtype
+            else:
+                ts = [r.get(key) for r in rows]
+                shapes = {tuple(x.shape) for x in ts}
+                dtype = ts[0].dtype
+            if dtype not in _DTYPES:
+                raise SchemaError(f"key {column_name(key)!r} has dtype {dtype}, which the store cannot "
+                                  f"hold; cast it to one of {sorted(n for n, _ in _DTYPES.values())}")
+            ndims = {len(s) for s in shapes}
+            if len(ndims) > 1:
+                raise SchemaError(f"key {column_name(key)!r} has rows of different ndim {sorted(ndims)}; "
+                                  "ragged fields may vary in size but not in number of dimensions")
+            ragged = key in declared or len(shapes) > 1
+            shape = None if ragged else next(iter(shapes))
+            cols.append(Column(key, _DTYPES[dtype][0], shape, ndims.pop()))
+        if not cols:
+            raise SchemaError("the first group has no tensor fields; nothing to store")
+        return cls(cols)
+
+    def split(self, td: TensorDictBase) -> GroupColumns:
+        """Check ``td`` against the schema and convert it to columns (nothing is written on error)."""
+        if td.ndim != 1 or td.shape[0] < 1:
+            raise SchemaError(f"a group must be a TensorDict of batch_size [n>=1], got {tuple(td.shape)}")
+        rows = _rows(td)
+        keys = set(_leaf_keys(td))
+        missing = [c.name for c in self.columns if c.key not in keys]
+        new = [column_name(k) for k in keys if k not in self.by_key]
+        if missing or new:
+            what = "; ".join(x for x in (f"missing key(s) {', '.join(sorted(missing))}" if missing else "",
+                                         f"new key(s) {', '.join(sorted(new))}" if new else "") if x)
+            raise SchemaError(f"group does not match the store schema: {what}. A store keeps the keys of its "
+                              "first write; write to a new store to change the layout")
+        out = GroupColumns(n=td.shape[0])
+        for c in self.columns:
+            if rows is None or not c.ragged:
+                t = td.get(c.key) if rows is None else None
+                if t is None:
+                    try:
+                        t = torch.stack([r.get(c.key) for r in rows])
+                    except RuntimeError:
+                        shapes = sorted({tuple(r.get(c.key).shape) for r in rows})
+                        raise SchemaError(f"key {c.name!r} has fixed shape {c.shape} in the store but rows "
+                                          f"of shapes {shapes}; declare it in ragged_keys when creating "
+                                          "the store") from None
+                self._check(c, t.dtype, tuple(t.shape[1:]), t.ndim - 1)
+                if c.ragged:
+                    a = to_storage_np(t)
+                    shapes = np.tile(np.asarray(t.shape[1:], dtype=np.int64), (t.shape[0], 1))
+                    out.ragged[c.key] = (a.reshape(-1) if not c.complex else a.reshape(-1, 2), shapes)
+                else:
+                    out.fixed[c.key] = to_storage_np(t)
+            else:
+                ts = [r.get(c.key) for r in rows]
+                for t in ts:
+                    self._check(c, t.dtype, None, t.ndim)
+                flat = [to_storage_np(t).reshape((-1, 2) if c.complex else -1) for t in ts]
+                shapes = np.asarray([tuple(t.shape) for t in ts], dtype=np.int64).reshape(len(ts), c.ndim)
+                out.ragged[c.key] = (np.concatenate(flat) if flat else flat, shapes)
+        return out
+
+    @staticmethod
+    def _check(c: Column, dtype: torch.dtype, shape, ndim: int) -> None:
+        if _DTYPES.get(dtype, (None,))[0] != c.dtype:
+            raise SchemaError(f"key {c.name!r} changed dtype: the store holds {c.dtype}, the group has "
+                              f"{dtype}; cast it back (e.g. .to(torch.{c.dtype}))")
+        if ndim != c.ndim:
+            raise SchemaError(f"key {c.name!r} changed number of dimensions per row: store {c.ndim}, "
+                              f"group {ndim}")
+        if c.shape is not None and shape is not None and shape != c.shape:
+            raise SchemaError(f"key {c.name!r} changed shape per row: the store holds {c.shape}, the group "
+                              f"has {shape}; if this field varies in length, declare it in ragged_keys "
+                              "when creating the store")

@@ -1,0 +1,225 @@
+"""``rbpipe stress``: hammer the shared grouping with writer processes, kill some, verify from the store.
+
+W writer processes (``multiprocess`` spawn) push N trajectories (random group interleavings, random binary
+rewards incl. all-0/all-1 groups). With ``kill_rate`` the parent SIGKILLs random writers at random moments
+(mid-append included) and respawns them to finish their share; the trajectory a writer was handing over
+when killed is either fully queued or not at all (counted as ``lost_in_flight``, at most one per kill).
+Afterwards the store is read back and checked: no trajectory duplicated, every group whole and homogeneous,
+advantages equal to the ones recomputed from the stored rewards, and the grouping counters equal to what the
+store holds (``handed_over == written + dropped + unselected + queued``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import multiprocess
+import torch
+
+from rbpipe.schema import GROUP_KEY, RAGGED_KEYS, REWARD_KEY, make_trajectory
+
+UID_KEY = "uid"
+PAYLOADS = ("small", "16x64", "tok1024")
+
+
+def make_payload_trajectory(uid: int, group: int, reward: float, payload: str, writer: int) -> Any:
+    """One schema trajectory carrying ``uid`` and a payload of the requested size."""
+    g = torch.Generator().manual_seed(uid)
+    length = 1024 if payload == "tok1024" else 8
+    td = make_trajectory(group_id=group, prompt=torch.randint(0, 50, (8,), generator=g),
+                         response=torch.randint(0, 50, (length,), generator=g),
+                         rollout_log_probs=-torch.rand(length, generator=g), reward=reward,
+                         collector_id=writer, policy_version=0)
+    td.set(UID_KEY, torch.tensor([uid], dtype=torch.int64))
+    if payload == "16x64":
+        td.set("obs", torch.rand(1, 16, 64, generator=g))
+    return td
+
+
+def _plan(trajectories: int, group_size: int, writers: int, interleave: str, seed: int,
+          dynamic_sampling: bool) -> tuple[list[list[tuple[int, int, float]]], int]:
+    rng = random.Random(seed)
+    n_groups = max(1, trajectories // group_size)
+    items = []
+    for gid in range(n_groups):
+        kind = rng.random()
+        for m in range(group_size):
+            reward = 0.0 if kind < 0.15 else 1.0 if kind < 0.3 else float(rng.random() < 0.5)
+            items.append((gid * group_size + m, gid, reward))
+    if interleave == "random":
+        rng.shuffle(items)
+    elif interleave == "round-robin":
+        items.sort(key=lambda it: (it[0] % group_size, it[1]))
+    shares: list[list] = [[] for _ in range(writers)]
+    for item in items:
+        shares[rng.randrange(writers)].append(item)
+    return shares, n_groups * group_size
+
+
+def _writer_main(w: int, buffer, share_path: str, payload: str, progress, inflight, start: int) -> None:
+    torch.set_num_threads(1)
+    share = json.loads(Path(share_path).read_text())
+    for i in range(start, len(share)):
+        uid, gid, reward = share[i]
+        td = make_payload_trajectory(uid, gid, reward, payload, w)
+        inflight[w] = i
+        buffer.extend(td)
+        progress[w] = i + 1
+
+
+def _open_storage(store: Path):
+    from rbpipe.storage import ArrowStorage
+
+    return ArrowStorage(store, ragged_keys=RAGGED_KEYS, group_key=GROUP_KEY)
+
+
+def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | None = None,
+               payload: str = "small", interleave: str = "random", kill_rate: float = 0.0, seed: int = 0,
+               grouping: str = "rbpipe", store=None, dynamic_sampling: bool = False,
+               stall_timeout: float = 30.0, max_kills: int | None = None) -> dict[str, Any]:
+    """Run one stress round and verify it from the store; returns the report dict (``ok`` is the verdict)."""
+    from rbpipe.buffer import make_replay_buffer, start_manager
+
+    if payload not in PAYLOADS:
+        raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
+    rng = random.Random(seed)
+    group_size = group_size or rng.randint(2, 8)
+    tmp = Path(tempfile.mkdtemp(prefix="rbpipe-stress-"))
+    store = Path(store) if store is not None else tmp / "store"
+    shares, produced = _plan(trajectories, group_size, writers, interleave, seed, dynamic_sampling)
+    share_paths = []
+    for w, share in enumerate(shares):
+        p = tmp / f"share{w}.json"
+        p.write_text(json.dumps(share))
+        share_paths.append(str(p))
+    storage = _open_storage(store)
+    kwargs = dict(trajectory_return="sum")
+    if dynamic_sampling:
+        kwargs["keep_return_bounds"] = (0.01, 0.99)
+    manager = start_manager() if grouping == "rbpipe" else None
+    ctx = multiprocess.get_context("spawn")
+    buffer = make_replay_buffer(storage, grouping=grouping, grpo_size=group_size, manager=manager,
+                                staging_dir=store / "staging", **kwargs)
+    progress = ctx.Array("q", writers, lock=False)
+    inflight = ctx.Array("q", [-1] * writers, lock=False)
+    procs: list = [None] * writers
+    kills = skipped = 0
+    hung = False
+    t0 = time.time()
+
+    def spawn(w: int, start: int):
+        p = ctx.Process(target=_writer_main, args=(w, buffer, share_paths[w], payload, progress, inflight, start),
+                        daemon=True)
+        p.start()
+        procs[w] = p
+
+    try:
+        for w in range(writers):
+            spawn(w, 0)
+        done_before, last_change = 0, time.time()
+        while True:
+            time.sleep(0.05)
+            done_now = sum(progress[:])
+            if done_now != done_before:
+                last_change = time.time()
+            delta, done_before = done_now - done_before, done_now
+            for w, p in enumerate(procs):
+                if p is not None and not p.is_alive():
+                    p.join()
+                    if p.exitcode > 0:
+                        raise RuntimeError(f"stress writer {w} failed (exit code {p.exitcode}); see its output")
+                    if p.exitcode < 0 and progress[w] < len(shares[w]):  # killed: respawn for the rest
+                        start = progress[w]
+                        if inflight[w] == start:  # killed while handing it over: queued in full or not at all
+                            start += 1
+                            progress[w] = start
+                            skipped += 1
+                        spawn(w, start) if start < len(shares[w]) else procs.__setitem__(w, None)
+                    else:
+                        procs[w] = None
+            if all(p is None for p in procs):
+                break
+            if kill_rate > 0 and delta > 0 and (max_kills is None or kills < max_kills) and rng.random() < 1 - (1 - kill_rate) ** delta:
+                alive = [w for w, p in enumerate(procs) if p is not None and p.is_alive()]
+                if alive:
+                    victim = rng.choice(alive)
+                    os.kill(procs[victim].pid, signal.SIGKILL)
+                    kills += 1
+            if time.time() - last_change > stall_timeout:
+                hung = True
+                break
+        seconds = time.time() - t0
+        if grouping == "rbpipe" and not hung:
+            buffer.recover(force=True)  # finish groups claimed by killed writers
+        stats = dict(buffer.grouping_transform.get_stats()) if not hung else {}
+    finally:
+        for p in procs:
+            if p is not None and p.is_alive():
+                p.kill()
+                p.join(5)
+        if manager is not None:
+            manager.shutdown()
+    attempted = sum(progress[:])  # includes the `skipped` in-flight ones
+    report = verify_store(store, group_size=group_size, stats=stats)
+    handed = int(stats.get("completed_trajectories", 0))
+    report.update(impl=grouping, writers=writers, group_size=group_size, payload=payload, interleave=interleave,
+                  produced=produced, attempted=attempted, in_flight_at_kill=skipped, handed_over=handed, kills=kills,
+                  lost_in_flight=attempted - handed if stats else None, hung=hung,
+                  seconds=round(seconds, 2), traj_per_s=round(attempted / max(seconds, 1e-9), 1),
+                  store=str(store))
+    report["lost"] = handed - (report["written"] + report["dropped"] + report["unselected"] + report["queued"])
+    report["ok"] = bool(not hung and report["lost"] == 0 and report["duplicated"] == 0
+                        and report["torn_groups"] == 0 and report["advantage_errors"] == 0
+                        and report["stats_match_store"] and 0 <= report["lost_in_flight"] <= kills
+                        and (kills > 0 or attempted == produced))
+    for path in share_paths:
+        Path(path).unlink(missing_ok=True)
+    return report
+
+
+def verify_store(store: Path, *, group_size: int, stats: dict) -> dict[str, Any]:
+    """Read the store back and check groups, duplicates and advantages against ``stats``."""
+    storage = _open_storage(store)
+    n = len(storage)
+    spans = storage.group_spans() if n else torch.zeros(0, 3, dtype=torch.int64)
+    duplicated = torn = adv_errors = 0
+    if n:
+        rows = storage.get(torch.arange(n))
+        uids = rows.get(UID_KEY).reshape(-1)
+        gids = rows.get(GROUP_KEY).reshape(-1)
+        rewards = rows.get(REWARD_KEY).reshape(n, -1).sum(-1).double()
+        advs = rows.get("advantage").reshape(n, -1)[:, 0].double()
+        duplicated = int(uids.numel() - uids.unique().numel())
+        for _, a, b in spans.tolist():
+            if b - a != group_size or gids[a:b].unique().numel() != 1:
+                torn += 1
+                continue
+            r = rewards[a:b]
+            expected = (r - r.mean()) / r.std().clamp_min(1e-6)
+            adv_errors += int(not torch.allclose(advs[a:b], expected, atol=1e-5, rtol=1e-5))
+    dropped = int(stats.get("dropped_groups", 0)) * group_size
+    written_groups = int(stats.get("written_groups", -1))
+    return {"written": n, "groups_in_store": int(spans.shape[0]), "dropped": dropped,
+            "unselected": int(stats.get("unselected_trajectories", 0)),
+            "queued": int(stats.get("queued_trajectories", 0)), "duplicated": duplicated, "torn_groups": torn,
+            "advantage_errors": adv_errors,
+            "stats_match_store": written_groups == int(spans.shape[0]) and n == written_groups * group_size,
+            "stats": stats}
+
+
+def format_stress_table(result: dict[str, Any]) -> str:
+    """Human-readable summary of one :func:`run_stress` report."""
+    keys = ("impl", "writers", "group_size", "payload", "interleave", "produced", "handed_over", "written",
+            "dropped", "unselected", "queued", "lost", "lost_in_flight", "duplicated", "torn_groups",
+            "advantage_errors", "kills", "hung", "traj_per_s", "seconds", "ok")
+    width = max(len(k) for k in keys)
+    lines = [f"rbpipe stress ({result.get('impl')})"]
+    lines += [f"  {k:<{width}}  {result.get(k)}" for k in keys]
+    return "\n".join(lines)

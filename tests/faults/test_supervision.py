@@ -1,0 +1,187 @@
+"""Real processes, real signals: the launcher survives dead collectors, stops cleanly on a dead learner or
+manager, refuses a second writer, and a killed run resumes with nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--grpo-size", "4", "--groups-per-step", "2"]
+
+
+def start_run(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(RUN + ["--run-dir", str(run_dir), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def learner_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def pids(run_dir: Path) -> dict:
+    return json.loads((run_dir / "pids.json").read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); read its state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"run did not end within {timeout}s:\n{out[-3000:]}")
+    return out
+
+
+def verify_store(store: Path, grpo_size: int = 4) -> list[dict]:
+    """Every committed group is whole, homogeneous and correctly normalised; ids are unique."""
+    from rbpipe.storage import inspect_store
+
+    groups = inspect_store(store, limit=None)["groups"]
+    assert len({g["group_id"] for g in groups}) == len(groups)
+    for g in groups:
+        returns = torch.tensor(g["returns"], dtype=torch.float64)
+        assert len(returns) == grpo_size
+        expected = (returns - returns.mean()) / returns.std().clamp_min(1e-6)
+        torch.testing.assert_close(torch.tensor(g["advantages"], dtype=torch.float64), expected,
+                                   atol=1e-5, rtol=1e-5)
+    return groups
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_collector_is_reported_and_restarted_and_the_run_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "--steps", "30")
+    try:
+        wait_for(lambda: learner_steps(run_dir) >= 3, 150, "3 learner steps")
+        victim = pids(run_dir)["collector 0"]
+        os.kill(victim, signal.SIGKILL)
+        out = finish(proc, 200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "collector 0 killed by SIGKILL" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] >= 1 and summary["learner_steps"] == 30
+    assert summary["conservation_ok"], summary
+    verify_store(run_dir / "store")
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_learner_stops_the_run_cleanly_and_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "--steps", "40")
+    try:
+        wait_for(lambda: learner_steps(run_dir) >= 6, 150, "6 learner steps")
+        workers = pids(run_dir)
+        os.kill(workers["learner"], signal.SIGKILL)
+        t_kill = time.time()
+        out = finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.time() - t_kill < 45
+    assert proc.returncode == 1 and "learner killed by SIGKILL" in out
+    assert not any(alive(pid) for name, pid in workers.items() if pid and name != "launcher"), "orphans left"
+    committed = verify_store(run_dir / "store")
+    # resume: the learner restarts from its checkpoint, committed groups are still there
+    resumed = subprocess.run([sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--resume",
+                              str(run_dir)], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = verify_store(run_dir / "store")
+    assert {g["group_id"] for g in committed} <= {g["group_id"] for g in after}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["learner_steps"] == 40
+
+
+@pytest.mark.timeout(300)
+def test_dead_manager_makes_the_run_fail_fast_with_a_clear_message(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "--steps", "500")
+    try:
+        wait_for(lambda: learner_steps(run_dir) >= 2, 150, "2 learner steps")
+        workers = pids(run_dir)
+        os.kill(workers["manager"], signal.SIGKILL)
+        t_kill = time.time()
+        out = finish(proc, 90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.time() - t_kill < 60
+    assert proc.returncode != 0
+    assert "manager" in out.lower()
+    assert not any(alive(pid) for name, pid in workers.items() if pid and name != "launcher"), "orphans left"
+    verify_store(run_dir / "store")
+
+
+@pytest.mark.timeout(300)
+def test_second_run_on_the_same_store_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "--steps", "500")
+    try:
+        wait_for(lambda: learner_steps(run_dir) >= 1, 150, "the first run to start")
+        second = subprocess.run(RUN + ["--run-dir", str(tmp_path / "other"), "--store", str(run_dir / "store"),
+                                       "--steps", "1"], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert str(proc.pid) in second.stderr or "pid" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+@pytest.mark.timeout(420)
+def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "--steps", "24")
+    try:
+        wait_for(lambda: learner_steps(run_dir) >= 8, 150, "8 learner steps")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    committed = verify_store(run_dir / "store")
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    resumed = subprocess.run([sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--resume",
+                              str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    after = verify_store(run_dir / "store")
+    assert {g["group_id"] for g in committed} <= {g["group_id"] for g in after}
+    assert summary["learner_steps"] == 24 and checkpoint["step"] <= 24
+    assert summary["conservation_ok"], summary

@@ -1,0 +1,53 @@
+"""Bad trajectories are rejected with an error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rbpipe.errors import BadTrajectoryError
+from rbpipe.schema import make_trajectory, validate_trajectory
+
+
+def good(**overrides):
+    kwargs = dict(group_id=3, prompt=torch.tensor([2, 5, 6, 3]), response=torch.tensor([5, 1, 1]),
+                  rollout_log_probs=torch.tensor([-0.1, -2.0, -2.0]), reward=1.0, collector_id=0,
+                  policy_version=0)
+    kwargs.update(overrides)
+    return make_trajectory(**kwargs)
+
+
+def test_a_good_trajectory_passes():
+    validate_trajectory(good())
+
+
+def test_unfinished_trajectory():
+    td = good()
+    td["next", "done"] = torch.zeros(1, 1, dtype=torch.bool)
+    with pytest.raises(BadTrajectoryError, match="unfinished"):
+        validate_trajectory(td)
+
+
+def test_missing_and_misspelled_keys_are_named():
+    td = good()
+    td.rename_key_(("next", "reward"), ("next", "rewrad"))
+    with pytest.raises(BadTrajectoryError, match=r"missing required key\(s\) next.reward.*next.rewrad"):
+        validate_trajectory(td)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_reward(value):
+    with pytest.raises(BadTrajectoryError, match="not finite"):
+        validate_trajectory(good(reward=value))
+
+
+def test_integer_reward_dtype():
+    td = good()
+    td["next", "reward"] = torch.ones(1, 1, dtype=torch.int64)
+    with pytest.raises(BadTrajectoryError, match="floating point"):
+        validate_trajectory(td)
+
+
+def test_not_a_tensordict():
+    with pytest.raises(BadTrajectoryError, match="TensorDict"):
+        validate_trajectory({"reward": 1.0})

@@ -72,6 +72,13 @@ class GroupReplayBuffer(ReplayBuffer):
             return torch.zeros((0,), dtype=torch.long)
         return torch.cat(indices)
 
+    def requeue_staged(self) -> tuple[int, int]:
+        """Queue again what a previous session left staged, writing any group it completes: ``(requeued, torn)``."""
+        claims, requeued, torn = self.grouping_transform.requeue_staged()
+        for claim in claims:
+            self._write_claim(claim)
+        return requeued, torn
+
     def add(self, data) -> torch.Tensor:
         if self.grouping != "rbpipe":
             return super().add(data)

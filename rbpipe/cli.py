@@ -53,7 +53,7 @@ def _add_run(sub) -> None:
     g.add_argument("--selector", choices=["first", "uniform", "balanced"], default="balanced",
                    help="how to pick grpo_size trajectories among the candidates")
     g = p.add_argument_group("rollouts and learner")
-    g.add_argument("--steps", type=int, default=300, help="learner steps")
+    g.add_argument("--steps", type=int, help="learner steps (default 300; with --resume: the saved run's)")
     g.add_argument("--groups-per-step", type=int, default=8, help="whole groups per learner step")
     g.add_argument("--lr", type=float, default=1e-3, help="learning rate (0 = a control run that cannot learn)")
     g.add_argument("--temperature", type=float, default=1.0, help="collectors' sampling temperature")
@@ -141,15 +141,18 @@ def _run(args) -> int:
         collectors=args.collectors, grouping=args.grouping, backend=args.backend, grpo_size=args.grpo_size,
         trajectory_return=None if args.trajectory_return == "none" else args.trajectory_return,
         keep_return_bounds=tuple(args.keep_return_bounds) if args.keep_return_bounds else None,
-        candidate_group_size=args.candidate_group_size, selector=args.selector, steps=args.steps,
+        candidate_group_size=args.candidate_group_size, selector=args.selector,
+        steps=args.steps if args.steps is not None else RunConfig.steps,
         groups_per_step=args.groups_per_step, lr=args.lr, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         micro_batches=args.micro_batches, seed=args.seed, loss=loss)
     from rbpipe.loss import LossConfig
 
     LossConfig(**cfg.loss)  # validate before any process starts
-    summary = launch(cfg, run_dir=args.run_dir, store=args.store, resume=args.resume,
-                     progress=not args.no_progress)
+    if args.resume is not None:  # the saved configuration wins; only --steps may extend the run
+        summary = launch(None, resume=args.resume, steps=args.steps, progress=not args.no_progress)
+    else:
+        summary = launch(cfg, run_dir=args.run_dir, store=args.store, progress=not args.no_progress)
     if args.json:
         print(json.dumps(summary, default=str))
     return 0 if summary["status"] == "done" else 1

@@ -34,7 +34,7 @@ class RunConfig:
     micro_batches: int = 1
     max_policy_lag: int = 4
     max_lead_groups: int | None = None  # collectors' lead over the learner; default keeps data within the lag
-    checkpoint_every: int = 50
+    checkpoint_every: int = 10
     target_reward: float | None = None  # stop early once the last 10 steps average at least this
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig keyword arguments
     # supervision

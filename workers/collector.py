@@ -56,6 +56,15 @@ def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeig
         counters.set_prompt_cursor(collector_id, index)
 
 
+def _close_storage(buffer) -> None:
+    """Flush this process's catalogue rows and seal its segment (a killed process skips this: the launcher
+    repairs the catalogue from the commit log)."""
+    try:
+        buffer._storage.close()
+    except Exception as err:  # noqa: BLE001 - never mask the real exit reason
+        print(f"[collector] closing the store failed: {err}", flush=True)
+
+
 def collector_entry(*args) -> None:
     """Process target: run, and turn an exception into a one-line reason plus exit code 1."""
     try:
@@ -66,3 +75,5 @@ def collector_entry(*args) -> None:
         print(f"[collector {args[0]}] failed: {type(err).__name__}: {err}", flush=True)
         traceback.print_exc()
         raise SystemExit(1)
+    finally:
+        _close_storage(args[2])

@@ -27,6 +27,7 @@ from rbpipe.policy import build_model
 from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
+from rbpipe.storage.catalog import repair_catalog
 from rbpipe.weights import SharedWeights, default_weights_dir
 from workers.collector import collector_entry
 from workers.control import LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
@@ -73,17 +74,18 @@ def open_storage_for_run(cfg: RunConfig, store: Path):
 
 
 def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: Path | None = None,
-           resume: Path | None = None, progress: bool = True, log=print) -> dict[str, Any]:
+           resume: Path | None = None, steps: int | None = None, progress: bool = True,
+           log=print) -> dict[str, Any]:
     """Run a whole pipeline and return the summary (also written to ``RUN_DIR/summary.json``)."""
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / CONFIG).exists():
             raise RbpipeError(f"--resume {run_dir}: no {CONFIG} there; pass the run directory printed by a "
                               "previous `rbpipe run`")
-        saved = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
-        if cfg is not None:
-            saved.steps = cfg.steps  # allow extending a run
-        cfg = saved
+        cfg = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
+        if steps is not None:
+            cfg.steps = steps  # extend (or shorten) the resumed run
+            cfg.save(run_dir / CONFIG)
         store = Path(json.loads((run_dir / "run.json").read_text())["store"])
     else:
         cfg = cfg or RunConfig()
@@ -107,6 +109,12 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
         manager = start_manager()
         buffer = make_replay_buffer(storage, grouping=cfg.grouping, manager=manager,
                                     staging_dir=store / "staging", **cfg.grouping_kwargs())
+        # trajectories staged by a previous (crashed or stopped) session are queued again, not lost
+        rows_before_requeue = len(storage)
+        requeued, torn = buffer.requeue_staged() if cfg.grouping == "rbpipe" else (0, 0)
+        if requeued or torn:
+            log(f"resumed {requeued} pending trajectories from the staging area"
+                + (f"; {torn} torn staging file(s) set aside" if torn else ""))
         model = build_model(cfg.policy)
         numel = sum(p.numel() for p in model.parameters())
         weights = SharedWeights(default_weights_dir(run_dir) / f"rbpipe-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}",
@@ -119,6 +127,8 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
         weights.publish(model, version=0)
         counters = RunCounters(run_dir / "counters.bin", cfg.collectors, create=resume is None)
         counters.set(LEARNER_DONE, 0)
+        session_start = {"produced": counters.produced(), "rejected": counters.rejected(), "rows": rows_before_requeue,
+                         "requeued": requeued, "torn": torn}
 
         workers.append(Worker("learner", learner_entry, (cfg, storage, weights, counters, stop, str(run_dir))))
         for cid in range(cfg.collectors):
@@ -138,9 +148,16 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
                 pass
         if weights is not None:
             weights.unlink()
+        try:
+            repaired = repair_catalog(store)
+            if repaired:
+                log(f"catalogue: added {repaired} committed group(s) that a stopped writer had not listed yet")
+        except RbpipeError as err:
+            log(f"catalogue repair skipped: {err}")
         lock.release()
     status = locals().get("status", "interrupted")
-    summary = _summarize(cfg, run_dir, store, storage, stats, counters, workers, t0, status)
+    summary = _summarize(cfg, run_dir, store, storage, stats, counters, workers, t0, status,
+                         locals().get("session_start"))
     log(summary_table(summary))
     return summary
 
@@ -247,7 +264,14 @@ def _final_stats(buffer) -> dict[str, Any]:
 
 
 def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict, counters, workers, t0: float,
-               status: str) -> dict[str, Any]:
+               status: str, start: dict | None) -> dict[str, Any]:
+    """Cumulative figures of the run, plus the exact per-session balance that ``conservation_ok`` checks.
+
+    Per session: trajectories that reached the grouping transform (``handed_over``, including those
+    requeued from the staging area at start) equal written + dropped + unselected + still queued. A collector killed
+    while handing one over may lose that one (it never reached shared state): ``lost_in_flight <= kills``.
+    """
+    start = start or {"produced": 0, "rejected": 0, "rows": 0, "requeued": 0, "torn": 0}
     records = read_metrics(run_dir / METRICS)
     first, last = first_last_fraction([r["reward_mean"] for r in records])
     plot = plot_rewards(records, run_dir / PLOT, title=f"rbpipe run ({cfg.loss.get('loss', 'grpo')}, lr={cfg.lr})")
@@ -258,6 +282,16 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict,
     queued = int(stats.get("queued_trajectories", 0))
     produced = counters.produced() if counters is not None else None
     rejected = counters.rejected() if counters is not None else 0
+    handed_over = int(stats.get("completed_trajectories", 0))
+    kills = sum(1 for w in workers[1:] for e in w.exits if e != "exited normally")
+    session = {"produced": None if produced is None else produced - start["produced"],
+               "rejected": rejected - start["rejected"], "requeued_at_start": start["requeued"],
+               "torn_staging_files": start["torn"], "handed_over": handed_over,
+               "written": written - start["rows"], "dropped": dropped, "unselected": unselected, "queued": queued}
+    # requeued trajectories went through the transform again, so they are part of handed_over
+    session["lost_in_flight"] = (None if produced is None
+                                 else session["produced"] - session["rejected"] - (handed_over - start["requeued"]))
+    balanced = handed_over == session["written"] + dropped + unselected + queued
     summary = {
         "status": status,
         "produced": produced, "rejected": rejected, "written": written, "dropped": dropped,
@@ -271,16 +305,9 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict,
         "worker_exits": {w.name: w.exits for w in workers if w.exits},
         "duration_s": round(time.time() - t0, 2),
         "store": str(store), "run_dir": str(run_dir), "plot": str(plot) if plot else None,
-        "grouping_stats": stats,
+        "session": session, "grouping_stats": stats,
+        "conservation_ok": bool(stats) and balanced and session["lost_in_flight"] is not None
+        and 0 <= session["lost_in_flight"] <= kills,
     }
-    # A collector killed while handing a trajectory over loses at most that one trajectory (it never reached
-    # shared state); everything that did reach the grouping transform must be accounted for exactly.
-    handed_over = int(stats.get("completed_trajectories", 0))
-    kills = sum(1 for w in workers[1:] for e in w.exits if e != "exited normally")
-    summary["handed_over"] = handed_over
-    summary["lost_in_flight"] = None if produced is None else produced - rejected - handed_over
-    summary["conservation_ok"] = (produced is not None and bool(stats)
-                                  and handed_over == written + dropped + unselected + queued
-                                  and 0 <= summary["lost_in_flight"] <= kills)
     (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
     return summary

@@ -253,4 +253,34 @@ class SharedMCAdvantage(MCAdvantage):
         return call(self._registry, "restore", snapshot)
 
 
+    def requeue_staged(self) -> tuple[list[Claim], int, int]:
+        """After a crash: hand every trajectory still staged on disk to the registry again.
+
+        A staged payload was handed over and is neither written nor dropped yet (writers delete payloads
+        after the commit or the drop), so the manager's lost queues are rebuilt from the disk. Each goes
+        through the normal decision path, so groups it completes are claimed: returns ``(claims to write,
+        requeued, torn)``. Call on a fresh registry before writers start. A payload cut short by a kill
+        mid-write was never queued: it is renamed ``*.torn`` and counted, not served.
+        """
+        claims: list[Claim] = []
+        requeued = torn = 0
+        paths = sorted((self.staging.path / h for h in self.staging.handles()), key=lambda p: p.stat().st_mtime_ns)
+        for path in paths:
+            try:
+                traj = self.staging.load(path.name)
+                group = self._group_of(traj)
+                reward = encode_tensor(traj.get(self.rewards_key))
+            except Exception:  # noqa: BLE001 - a torn or foreign file
+                os.replace(path, path.with_name(path.name + ".torn"))
+                torn += 1
+                continue
+            decision = call(self._registry, "append", group, path.name, reward, os.getpid(), self.reserve_rows)
+            requeued += 1
+            if decision["status"] == "dropped":
+                self.staging.delete(decision["handles"])
+            elif decision["status"] == "write":
+                claims.append(self.load(decision))
+        return claims, requeued, torn
+
+
 __all__ = ["SharedMCAdvantage", "Claim", "STAT_NAMES", "QUEUE_STATS"]

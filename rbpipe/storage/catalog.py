@@ -159,3 +159,23 @@ def export_zarr(store_path: str | os.PathLike, out_path: str | os.PathLike) -> i
         dst.append_group(src.get(slice(a, b)))
     dst.close()
     return len(spans)
+
+
+def repair_catalog(path: str | os.PathLike) -> int:
+    """Write catalogue rows for committed groups that no Parquet file holds yet; returns how many.
+
+    Writers batch their catalogue rows, so a writer killed between flushes leaves committed groups that
+    are in the commit log (the source of truth) but not yet in ``catalog/*.parquet``. The launcher runs
+    this after every run and before a resume, so DuckDB/Polars users see every committed group.
+    """
+    path = Path(path)
+    read_meta(path)
+    groups, _, _ = _scan(path)
+    covered: set[int] = set()
+    for f in (path / CATALOG_DIR).glob("*.parquet"):
+        covered.update(pq.read_table(f, columns=["seq"]).column("seq").to_pylist())
+    missing = [groups[s] for s in sorted(groups) if s not in covered]
+    if missing:
+        names = {k for r in missing for k in r.get("cat", {})}
+        write_catalog_rows(path, missing, names)
+    return len(missing)

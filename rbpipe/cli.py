@@ -168,17 +168,18 @@ def _inspect(args) -> int:
         return 0
     print(f"store {info['store']}  backend={info['backend']}  format v{info['format_version']}  "
           f"groups={info['groups_committed']}  rows={info['rows']}")
-    if info.get("torn_tail"):
-        print(f"note: ignored an uncommitted tail: {info['torn_tail']}")
-    header = f"{'group_id':>8}  {'n':>3}  {'returns':<26} {'advantages':<34} {'collectors':<18} versions"
-    print(header)
+    tail = info.get("torn_tail") or {}
+    if any(v for v in tail.values() if isinstance(v, (int, float))) or any(isinstance(v, dict) and v for v in tail.values()):
+        print(f"note: uncommitted bytes were ignored (never served): {tail}")
+    columns = [("returns", "{:g}", 24), ("advantages", "{:+.2f}", 40), ("collectors", "{:.0f}", 16),
+               ("policy_versions", "{:.0f}", 24)]
+    print(f"{'group_id':>8}  {'n':>3}  " + "  ".join(f"{name:<{width}}" for name, _, width in columns))
     for g in info["groups"]:
-        rets = " ".join(f"{x:g}" for x in g.get("returns", []))
-        advs = " ".join(f"{x:+.2f}" for x in g.get("advantages", []))
-        cols = " ".join(str(int(x)) for x in g.get("collectors", []))
-        vers = " ".join(str(int(x)) for x in g.get("policy_versions", []))
-        print(f"{str(g['group_id']):>8}  {g.get('members', len(g.get('returns', []))):>3}  {rets[:26]:<26} "
-              f"{advs[:34]:<34} {cols[:18]:<18} {vers}")
+        cells = []
+        for name, fmt, width in columns:
+            text = " ".join(fmt.format(x) for x in (g.get(name) or []))
+            cells.append(f"{text if len(text) <= width else text[:width - 1] + '~':<{width}}")
+        print(f"{str(g['group_id']):>8}  {g.get('members', 0):>3}  " + "  ".join(cells))
     return 0
 
 

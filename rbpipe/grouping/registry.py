@@ -29,6 +29,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.objectives.llm import MCAdvantage
 
+from rbpipe.procs import pid_alive as _pid_alive
+
 _G, _R, _D, _A, _H = "group", "reward", "done", "advantage", "handle"
 
 #: torchrl's counters (torchrl.objectives.llm.grpo._MCADVANTAGE_STATS; listed here to stay version-explicit).
@@ -41,20 +43,6 @@ DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_tr
 QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed child not yet reaped by its parent is a zombie: dead for our purpose
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def encode_tensor(t: torch.Tensor) -> tuple[bytes, str, tuple]:

@@ -21,6 +21,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torchrl.data.replay_buffers.storages import Storage
 
+from rbpipe.procs import pid_alive  # noqa: F401 - re-exported for storage modules
 from rbpipe.errors import SchemaError, StoreError
 from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
                            VERSION_KEY)
@@ -39,15 +40,6 @@ DEFAULT_CATALOG_COLUMNS: dict[str, tuple[NestedKey, str]] = {
     "lengths": (RESPONSE_TOKENS_KEY, "length"),
 }
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def writer_id() -> str:

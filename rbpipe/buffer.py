@@ -74,7 +74,8 @@ class GroupReplayBuffer(ReplayBuffer):
 
     def requeue_staged(self) -> tuple[int, int]:
         """Queue again what a previous session left staged, writing any group it completes: ``(requeued, torn)``."""
-        claims, requeued, torn = self.grouping_transform.requeue_staged()
+        committed = self._storage.committed_member_ids() if hasattr(self._storage, "committed_member_ids") else set()
+        claims, requeued, torn = self.grouping_transform.requeue_staged(skip=committed)
         for claim in claims:
             self._write_claim(claim)
         return requeued, torn
@@ -97,7 +98,7 @@ class GroupReplayBuffer(ReplayBuffer):
         storage = self._storage
         if hasattr(storage, "append_group"):
             if _takes_commit_id(storage):  # idempotent: a recovered claim already committed is not rewritten
-                index = storage.append_group(group, commit_id=claim.claim_id)
+                index = storage.append_group(group, commit_id=claim.claim_id, member_ids=claim.handles)
             else:
                 index = storage.append_group(group)
         else:

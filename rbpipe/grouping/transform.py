@@ -253,16 +253,18 @@ class SharedMCAdvantage(MCAdvantage):
         return call(self._registry, "restore", snapshot)
 
 
-    def requeue_staged(self) -> tuple[list[Claim], int, int]:
+    def requeue_staged(self, skip: set[str] = frozenset()) -> tuple[list[Claim], int, int]:
         """After a crash: hand every trajectory still staged on disk to the registry again.
 
         A staged payload was handed over and is neither written nor dropped yet (writers delete payloads
         after the commit or the drop), so the manager's lost queues are rebuilt from the disk. Each goes
         through the normal decision path, so groups it completes are claimed: returns ``(claims to write,
         requeued, torn)``. Call on a fresh registry before writers start. A payload cut short by a kill
-        mid-write was never queued: it is renamed ``*.torn`` and counted, not served.
+        mid-write was never queued: it is renamed ``*.torn`` and counted, not served. Handles in ``skip``
+        (members of groups the store already committed: the writer died before deleting them) are deleted.
         """
         claims: list[Claim] = []
+        self.staging.delete([h for h in self.staging.handles() if h in skip])
         requeued = torn = 0
         paths = sorted((self.staging.path / h for h in self.staging.handles()), key=lambda p: p.stat().st_mtime_ns)
         for path in paths:

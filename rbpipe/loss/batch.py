@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
+from rbpipe.errors import ConfigError
 from rbpipe.loss.metrics import MetricsAccumulator
-from rbpipe.loss.module import REF_KEY, ROLLOUT_FULL_KEY, RbpipeGRPOLoss
+from rbpipe.loss.module import REF_KEY, ROLLOUT_FULL_KEY, LossInputError, RbpipeGRPOLoss
 from rbpipe.schema import ADVANTAGE_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, ROLLOUT_LOG_PROBS_KEY
+
+_NEEDED = (PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, ADVANTAGE_KEY)
 
 
 def _log_probs(actor, rows: list[TensorDict]) -> list[torch.Tensor]:
@@ -16,39 +19,56 @@ def _log_probs(actor, rows: list[TensorDict]) -> list[torch.Tensor]:
     return [lp.detach() for lp in out.get(("log_probs", "full"), as_list=True)]
 
 
-def build_loss_batch(rows: TensorDictBase, *, actor, ref_actor=None, recompute_old: bool = True) -> TensorDictBase:
-    """Stored rows (prompt, response, rollout log-probs, advantage) -> ``RbpipeGRPOLoss`` input.
+def _row(row: TensorDictBase) -> TensorDict:
+    keys = set(row.keys(True, True))
+    missing = [k for k in _NEEDED if k not in keys]
+    if missing:
+        raise LossInputError(f"a sampled row lacks {', '.join(map(str, missing))}: the learner trains on rows the "
+                             "grouping transform wrote (prompt, response, rollout log-probs, advantage)")
+    prompt, response = row.get(PROMPT_TOKENS_KEY).reshape(-1), row.get(RESPONSE_TOKENS_KEY).reshape(-1)
+    full = torch.cat([prompt, response])
+    n_prompt, length = prompt.numel(), full.numel()
+    fields = {"tokens": TensorDict(full=full, prompt=prompt),
+              "masks": TensorDict(all_attention_mask=torch.ones(length, dtype=torch.bool)),
+              ADVANTAGE_KEY: row.get(ADVANTAGE_KEY).reshape(-1)[:1].float().expand(length, 1).clone()}
+    if ROLLOUT_LOG_PROBS_KEY in keys:
+        rollout = row.get(ROLLOUT_LOG_PROBS_KEY).reshape(-1).float()
+        if rollout.numel() != response.numel():
+            raise LossInputError(f"a row has {response.numel()} response tokens but {rollout.numel()} rollout "
+                                 "log-probs: the collector must report one log-prob per response token")
+        fields[ROLLOUT_FULL_KEY[0]] = TensorDict({ROLLOUT_FULL_KEY[1]: torch.cat([torch.zeros(n_prompt), rollout])})
+    if REWARD_KEY in keys:
+        fields[REWARD_KEY] = row.get(REWARD_KEY).reshape(-1)[:1].float()
+    return TensorDict(fields, batch_size=[])
 
-    ``log_probs.full`` is the learner's own log-prob before the update (``lp_old``, no grad), 0 on the
-    prompt; ``log_probs.rollout_full`` the collector's, aligned the same way. With one optimizer step per
-    batch, ``lp_old`` equals the current log-prob detached, so ``recompute_old=False`` skips this extra
-    forward pass and the loss uses ``lp.detach()`` (same values, one forward instead of two).
+
+def build_loss_batch(rows: TensorDictBase, *, actor, ref_actor=None, recompute_old: bool = True) -> TensorDictBase:
+    """Stored rows (prompt, response, rollout log-probs, advantage) -> the loss input (a lazy stack).
+
+    Per row: ``tokens.full`` (prompt + response), ``tokens.prompt``, ``masks.all_attention_mask``,
+    ``advantage`` ``[L, 1]``, ``log_probs.full`` = the learner's own log-prob before the update (``lp_old``,
+    no grad, 0 on the prompt), ``log_probs.rollout_full`` = the collector's, aligned the same way, and
+    ``next.ref_log_probs.full`` when ``ref_actor`` is given. With one optimizer step per batch ``lp_old``
+    equals the current log-prob detached, so ``recompute_old=False`` skips that forward pass (placeholder
+    zeros; pair it with ``make_loss(..., old_from_current=True)``).
     """
-    built = []
-    for row in rows.unbind(0):
-        prompt, response = row.get(PROMPT_TOKENS_KEY).reshape(-1), row.get(RESPONSE_TOKENS_KEY).reshape(-1)
-        full = torch.cat([prompt, response])
-        n_prompt, length = prompt.numel(), full.numel()
-        td = TensorDict({"tokens": TensorDict(full=full, prompt=prompt),
-                         "masks": TensorDict(all_attention_mask=torch.ones(length, dtype=torch.bool)),
-                         "log_probs": TensorDict(rollout_full=torch.cat([torch.zeros(n_prompt),
-                                                                          row.get(ROLLOUT_LOG_PROBS_KEY).reshape(-1).float()])),
-                         ADVANTAGE_KEY: row.get(ADVANTAGE_KEY).reshape(-1)[:1].float().expand(length, 1).clone(),
-                         REWARD_KEY: row.get(REWARD_KEY).reshape(-1)[:1].float()}, batch_size=[])
-        built.append(td)
-    prompt_lens = [r.get(("tokens", "prompt")).numel() for r in built]
-    olds = _log_probs(actor, built) if recompute_old else [None] * len(built)
-    for td, lp, p in zip(built, olds, prompt_lens):
-        if lp is None:  # placeholder; RbpipeGRPOLoss(old_from_current=True) uses lp.detach()
-            lp = torch.zeros(td.get(("tokens", "full")).numel())
-        lp = lp.clone()
-        lp[:p] = 0.0
-        td.set(("log_probs", "full"), lp)
-    if ref_actor is not None:
-        for td, lp, p in zip(built, _log_probs(ref_actor, built), prompt_lens):
+    built = [_row(row) for row in rows.unbind(0)]
+    if not built:
+        raise LossInputError("build_loss_batch got no rows: sample at least one group")
+    prompt_lens = [r.get(PROMPT_TOKENS_KEY).numel() for r in built]
+
+    def fill(key, lps):
+        for td, lp, p in zip(built, lps, prompt_lens):
             lp = lp.clone()
             lp[:p] = 0.0
-            td.set(REF_KEY, lp)
+            td.set(key, lp)
+
+    if recompute_old:
+        fill(("log_probs", "full"), _log_probs(actor, built))
+    else:
+        fill(("log_probs", "full"), [torch.zeros(td.get(("tokens", "full")).numel()) for td in built])
+    if ref_actor is not None:
+        fill(REF_KEY, _log_probs(ref_actor, built))
     return lazy_stack(built, 0)
 
 
@@ -63,38 +83,48 @@ def _response_mask(batch: TensorDictBase) -> torch.Tensor:
     return mask
 
 
+def step_counts(loss_module: RbpipeGRPOLoss, batch: TensorDictBase) -> dict[str, float]:
+    """The step's global aggregation constants: valid tokens and sequences after rollout-IS masking, and the
+    ``seq-mean-token-sum-norm`` constant (config value, else the max response length of the step)."""
+    if loss_module.old_from_current and loss_module.needs_old_for_mask:
+        raise ConfigError("rollout-IS masking/veto needs lp_old before the forward pass: build the batch with "
+                          "recompute_old=True and the loss with old_from_current=False")
+    response = _response_mask(batch)
+    _, loss_mask, _ = loss_module.loss_masks(batch, response)
+    norm = loss_module.cfg.agg_norm or float(response.sum(-1).max().clamp_min(1))
+    return {"num_tokens": float(loss_mask.sum()), "num_seqs": float(loss_mask.any(-1).sum()), "norm": norm}
+
+
 def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, batch: TensorDictBase, *,
                micro_batches: int = 1, max_grad_norm: float | None = None) -> dict[str, float]:
-    """One optimizer step over ``batch`` split in ``micro_batches``; equals one big batch (global counts)."""
-    if loss_module.old_from_current and loss_module.needs_old_for_mask:
-        raise ValueError("rollout-IS masking/veto needs lp_old before the forward pass: build the batch with "
-                         "recompute_old=True")
-    _, loss_mask, _ = loss_module.loss_masks(batch, _response_mask(batch))
-    num_tokens = float(loss_mask.sum())
-    num_seqs = float(loss_mask.any(-1).sum())
-    norm = loss_module.cfg.agg_norm or float(max(r.numel() for r in batch.get(("tokens", "full"), as_list=True))
-                                             - min(p.numel() for p in batch.get(("tokens", "prompt"), as_list=True)))
+    """One optimizer step over ``batch`` split into ``micro_batches`` (backward per micro-batch).
+
+    The aggregation uses the step's global counts (:func:`step_counts`) and metrics are reduced from raw
+    sums/extrema, so the gradient and every metric equal those of one big batch. Returns floats: each loss
+    term, ``loss`` (their sum), the spec's metrics, ``valid_tokens``, ``valid_sequences``, ``grad_norm``
+    (when clipping) and ``reward_mean`` (when the rows carry rewards).
+    """
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+    n = batch.shape[0]
+    counts = step_counts(loss_module, batch)
     optimizer.zero_grad(set_to_none=True)
     acc = MetricsAccumulator()
     totals: dict[str, float] = {}
-    n = batch.shape[0]
-    bounds = torch.linspace(0, n, micro_batches + 1).round().long().tolist()
+    bounds = torch.linspace(0, n, min(micro_batches, n) + 1).round().long().tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        if b <= a:
-            continue
-        out = loss_module(batch[a:b], num_tokens=num_tokens, num_seqs=num_seqs, norm=norm)
-        loss = sum(out.get(k) for k in out.keys() if k.startswith("loss_"))
-        loss.backward()
-        for k in out.keys():
+        out = loss_module(batch[a:b], **counts)
+        terms = [k for k in out.keys() if k.startswith("loss_")]
+        sum(out.get(k) for k in terms).backward()
+        for k in terms:
             totals[k] = totals.get(k, 0.0) + float(out.get(k).detach())
         acc.merge(loss_module.last_metrics)
-    grad_norm = None
+    metrics = {**acc.result(), **totals, "loss": sum(totals.values()),
+               "valid_tokens": counts["num_tokens"], "valid_sequences": counts["num_seqs"]}
     if max_grad_norm is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(loss_module.actor_network.parameters(), max_grad_norm))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     optimizer.step()
-    metrics = {**totals, "loss": sum(totals.values()), **acc.result(), "valid_tokens": num_tokens}
-    if grad_norm is not None:
-        metrics["grad_norm"] = grad_norm
-    rewards = batch.get(REWARD_KEY)
-    metrics["reward_mean"] = float(rewards.float().mean())
+    if REWARD_KEY in batch.keys(True, True):
+        metrics["reward_mean"] = float(batch.get(REWARD_KEY).float().mean())
     return metrics

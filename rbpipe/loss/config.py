@@ -5,19 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rbpipe.errors import ConfigError
-from rbpipe.loss.functional import AGG_MODES, IS_LEVELS, IS_MODES, KL_KINDS, POLICY_KINDS, validate_bounds
+from rbpipe.loss.functional import (AGG_ALIASES, AGG_MODES, IS_LEVELS, IS_MODES, KL_KINDS, POLICY_KINDS,
+                                    validate_bounds)
 
 _DEFAULT_EPS = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "cispo": (0.2, 0.28)}
+DEFAULT_DUAL_CLIP = 3.0
 
 
 @dataclass
 class LossConfig:
+    """Everything the loss computes, validated at construction (a ``ConfigError`` names the option to fix).
+
+    ``eps_low``/``eps_high`` default per objective (grpo 0.2/0.2, dapo and cispo 0.2/0.28); ``dual_clip``
+    ``None`` is off, ``True`` means ``c = 3.0``; ``agg_norm`` is the constant of ``seq-mean-token-sum-norm``
+    (default: the step's max response length); ``rollout_is`` ``None`` disables the correction (mismatch
+    metrics are still reported); thresholds and veto are ``(lower, upper)`` with ``lower < upper``.
+    """
+
     loss: str = "grpo"
-    eps_low: float | None = None  # default per loss: grpo 0.2/0.2, dapo and cispo 0.2/0.28
+    eps_low: float | None = None
     eps_high: float | None = None
-    dual_clip: float | None = None  # e.g. 3.0: dual-clip for negative advantages (grpo/dapo only)
+    dual_clip: float | bool | None = None
     loss_agg_mode: str = "token-mean"
-    agg_norm: float | None = None  # constant of seq-mean-token-sum-norm (default: max response length)
+    agg_norm: float | None = None
     kl_type: str = "k3"
     kl_coef: float = 0.0
     rollout_is: str | None = None
@@ -27,6 +37,11 @@ class LossConfig:
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        self.loss_agg_mode = AGG_ALIASES.get(self.loss_agg_mode, self.loss_agg_mode)
+        if self.dual_clip is True:
+            self.dual_clip = DEFAULT_DUAL_CLIP
+        elif self.dual_clip is False:
+            self.dual_clip = None
         if self.loss not in POLICY_KINDS:
             raise ConfigError(f"--loss must be one of {', '.join(POLICY_KINDS)}, got {self.loss!r}")
         lo, hi = _DEFAULT_EPS[self.loss]
@@ -36,6 +51,7 @@ class LossConfig:
             raise ConfigError(f"clip epsilons must satisfy 0 <= eps_low < 1 and eps_high >= 0, got "
                               f"({self.eps_low}, {self.eps_high})")
         if self.dual_clip is not None:
+            self.dual_clip = float(self.dual_clip)
             if self.loss == "cispo":
                 raise ConfigError("dual-clip applies to the PPO-style objectives (grpo, dapo), not to cispo")
             if self.dual_clip <= 1:
@@ -44,8 +60,12 @@ class LossConfig:
             raise ConfigError(f"--loss-agg-mode must be one of {', '.join(AGG_MODES)}, got {self.loss_agg_mode!r}")
         if self.kl_type not in KL_KINDS:
             raise ConfigError(f"--kl-type must be one of {', '.join(KL_KINDS)}, got {self.kl_type!r}")
-        if self.kl_coef < 0:
+        if not self.kl_coef >= 0:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if not self.entropy_coef >= 0:
+            raise ConfigError(f"entropy_coef must be >= 0 (it is a bonus), got {self.entropy_coef}")
+        if self.agg_norm is not None and not self.agg_norm > 0:
+            raise ConfigError(f"agg_norm (the seq-mean-token-sum-norm constant) must be > 0, got {self.agg_norm}")
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
             raise ConfigError(f"--rollout-is must be one of {', '.join(IS_LEVELS)}, got {self.rollout_is!r}")
         if self.rollout_is_mode not in IS_MODES:

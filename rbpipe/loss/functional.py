@@ -16,6 +16,7 @@ from rbpipe.loss.metrics import MetricsAccumulator
 POLICY_KINDS = ("grpo", "dapo", "cispo")
 KL_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGG_ALIASES = {m.replace("-", "_"): m for m in AGG_MODES}
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "both")
 
@@ -24,8 +25,12 @@ def policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, *, kind: str,
                 dual_clip: float | None = None) -> torch.Tensor:
     """Per-token policy loss. ``log_ratio = lp - lp_old`` carries the gradient.
 
-    ``cispo`` returns ``-sg(clip(r)) * A * log_ratio``: the spec's ``-sg(clip(r)) * A * lp`` shifted by a
-    constant (``sg(clip(r)) * A * lp_old``), so the *gradient* is the spec's and clipped tokens keep theirs.
+    ``grpo``/``dapo``: PPO clip ``max(-r*A, -clip(r, 1-eps_low, 1+eps_high)*A)`` (they differ only in the
+    epsilons the config picks); ``dual_clip=c`` caps negative-advantage tokens at ``-c*A``.
+    ``cispo`` returns ``-sg(clip(r)) * A * log_ratio``. Since ``log_ratio = lp - lp_old`` and ``lp_old`` is
+    constant, this is the spec's ``-sg(clip(r)) * A * lp`` *plus* ``sg(clip(r)) * A * lp_old``: the value is
+    offset by that constant, the gradient is exactly the spec's, and clipped tokens keep their gradient
+    (torchrl 0.14.1's ``CISPOLoss`` gives them none).
     """
     if kind not in POLICY_KINDS:
         raise ConfigError(f"policy loss kind must be one of {', '.join(POLICY_KINDS)}, got {kind!r}")
@@ -57,16 +62,21 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, norm: float | None = None,
               num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar.
+    """Reduce a per-token loss to a scalar; masked positions never count (whatever value they hold).
 
-    ``num_tokens``/``num_seqs`` are the *global* counts over all micro-batches of a step (default: this
-    batch's), so that summing micro-batch results equals the one-batch value; ``norm`` is the constant of
-    ``seq-mean-token-sum-norm`` (default: the token dimension, i.e. the max response length).
+    For gradient accumulation pass the step's *global* counts, so that summing the micro-batch results
+    equals the one-batch value (and the gradient too): ``num_tokens`` (valid tokens over all micro-batches,
+    ``token-mean``) and ``num_seqs`` (sequences with at least one valid token, both ``seq-mean-*`` modes:
+    they need the global sequence count, a per-micro-batch mean of means would not add up). ``norm`` is the
+    constant of ``seq-mean-token-sum-norm`` (default: the token dimension; the loss module passes the max
+    response length of the step), which needs no count at all. Defaults are this batch's own counts.
     """
+    mode = AGG_ALIASES.get(mode, mode)
     if mode not in AGG_MODES:
         raise ConfigError(f"loss aggregation mode must be one of {', '.join(AGG_MODES)}, got {mode!r}")
+    mask = mask.bool()
     m = mask.to(per_token.dtype)
-    masked = per_token * m
+    masked = torch.where(mask, per_token, torch.zeros_like(per_token))  # NaN/inf padding cannot leak
     if mode == "token-mean":
         count = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=per_token.dtype)
         return masked.sum() / count.clamp_min(1.0)
@@ -82,10 +92,14 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, norm: f
 
 
 def validate_bounds(name: str, bounds) -> tuple[float, float] | None:
+    """``(lower, upper)`` as floats, or a ConfigError that names the option and the expected order."""
     if bounds is None:
         return None
-    lower, upper = (float(b) for b in bounds)
-    if not (lower < upper) or lower < 0:
+    try:
+        lower, upper = (float(b) for b in bounds)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a pair (lower, upper) of numbers, got {bounds!r}") from None
+    if not (lower < upper) or lower < 0 or not math.isfinite(upper):
         raise ConfigError(f"{name} must be (lower, upper) with 0 <= lower < upper, got ({lower}, {upper}); "
                           "note the order: lower first (XTuner takes (upper, lower))")
     return lower, upper
@@ -98,14 +112,21 @@ def rollout_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
                                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Rollout-engine vs trainer correction: ``(weights, mask, metrics)``.
 
-    ``level=None`` (or no thresholds) disables the correction (weights 1, mask unchanged) but the mismatch
-    metrics are still computed. ``accumulator`` receives the raw sums/extrema for multi-batch reduction.
+    ``log_w = old_logp - rollout_logp`` on valid tokens; ``level`` token / sequence (sum) / geometric (mean);
+    ``mode`` truncate (clamp to ``[lower, upper]``), mask (drop tokens or sequences outside, weights left
+    unclamped) or both; ``veto=(lo, hi)`` drops a whole sequence with any token ``w`` outside it. The returned
+    weights are 0 wherever the returned mask is False. ``level=None`` (or no thresholds) disables the
+    correction (weights 1, mask unchanged) but the mismatch and IS metrics are still computed (IS metrics
+    describe the raw, unclamped weights). ``accumulator``, if given, also receives the raw sums/extrema so
+    that several micro-batches reduce exactly (see :class:`MetricsAccumulator`).
     """
     if level is not None and level not in IS_LEVELS:
         raise ConfigError(f"rollout IS level must be one of {', '.join(IS_LEVELS)}, got {level!r}")
     if mode not in IS_MODES:
         raise ConfigError(f"rollout IS mode must be one of {', '.join(IS_MODES)}, got {mode!r}")
-    bounds = validate_bounds("rollout IS thresholds", (lower, upper)) if lower is not None or upper is not None else None
+    if (lower is None) != (upper is None):
+        raise ConfigError(f"rollout IS thresholds need both lower and upper, got lower={lower}, upper={upper}")
+    bounds = validate_bounds("rollout IS thresholds", (lower, upper)) if lower is not None else None
     veto = validate_bounds("rollout IS veto", veto)
     mask = mask.bool()
     m = mask.to(old_logp.dtype)
@@ -129,11 +150,12 @@ def rollout_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
         if mode in ("truncate", "both"):
             weights = weights.clamp(lo, hi)
     if level is not None and veto is not None:
-        out = mask & ((log_w < math.log(veto[0])) | (log_w > math.log(veto[1])))
+        veto_lo = math.log(veto[0]) if veto[0] > 0 else -math.inf
+        out = mask & ((log_w < veto_lo) | (log_w > math.log(veto[1])))
         vetoed = out.any(-1)
         new_mask &= ~vetoed[:, None]
     weights = torch.where(new_mask, weights, torch.zeros_like(weights))
-    acc = MetricsAccumulator() if accumulator is None else accumulator
+    acc = MetricsAccumulator()
     valid = mask
     n = valid.sum()
     seq_valid = mask.any(-1)
@@ -141,8 +163,9 @@ def rollout_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
     acc.mean("mismatch/k3_kl", (token_w - log_w - 1.0)[valid].sum(), n)
     acc.mean("mismatch/abs_logp_diff", log_w.abs()[valid].sum(), n)
     seq_len = m.sum(-1).clamp_min(1.0)
-    train_ppl = torch.exp(-(old_logp * m).sum(-1) / seq_len)[seq_valid]
-    roll_ppl = torch.exp(-(rollout_logp * m).sum(-1) / seq_len)[seq_valid]
+    zero = torch.zeros_like(old_logp)
+    train_ppl = torch.exp(-torch.where(mask, old_logp, zero).sum(-1) / seq_len)[seq_valid]
+    roll_ppl = torch.exp(-torch.where(mask, rollout_logp, zero).sum(-1) / seq_len)[seq_valid]
     acc.mean("mismatch/training_ppl", train_ppl.sum(), seq_valid.sum())
     acc.mean("mismatch/rollout_ppl", roll_ppl.sum(), seq_valid.sum())
     w_valid = raw[valid]
@@ -153,7 +176,9 @@ def rollout_importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
         acc.mean("is/frac_below_lower", (w_valid < bounds[0]).sum(), n)
     acc.mean("is/masked_frac", (valid & ~new_mask).sum(), n)
     acc.mean("is/veto_frac", vetoed[seq_valid].sum(), seq_valid.sum())
-    return weights.detach(), new_mask, (acc.result() if accumulator is None else {})
+    if accumulator is not None:
+        accumulator.merge(acc)
+    return weights.detach(), new_mask, acc.result()
 
 
 def train_policy_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, *, eps_low: float, eps_high: float,

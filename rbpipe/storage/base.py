@@ -79,6 +79,8 @@ class GroupStorage(Storage):
         self._log = CommitLog(self.path / COMMIT_LOG)
         self._schema: Schema | None = None
         self._groups: dict[int, dict] = {}  # seq -> group record, in commit order
+        self._commit_ids: set[str] = set()  # ids of committed groups (idempotent recovery writes)
+        self._member_ids: set[str] = set()  # writer-supplied ids of committed rows (e.g. staging handles)
         self._evicted_upto = -1
         self._index_cache = None
         self._pid = os.getpid()
@@ -94,7 +96,12 @@ class GroupStorage(Storage):
             if kind == "schema" and self._schema is None:
                 self._schema = Schema.from_json(rec["schema"])
                 self._on_schema(self._schema)
-            elif kind == "group" and rec["seq"] > self._evicted_upto:
+            elif kind == "group":
+                if "cid" in rec:
+                    self._commit_ids.add(rec["cid"])
+                self._member_ids.update(rec.get("mids", ()))
+                if rec["seq"] <= self._evicted_upto:
+                    continue
                 self._groups[rec["seq"]] = rec
                 self._index_cache = None
             elif kind == "evict":
@@ -108,6 +115,12 @@ class GroupStorage(Storage):
                         self._groups[int(seq)] = dict(self._groups[int(seq)], loc=loc)
                 self._index_cache = None
                 self._on_move(rec)
+
+    def committed_member_ids(self) -> set[str]:
+        """Every ``member_ids`` entry ever committed (evicted groups included): lets a recovering writer
+        tell which of its pending items already reached the store."""
+        self._refresh()
+        return set(self._member_ids)
 
     def _refresh(self) -> None:
         self._apply(self._log.read_new())
@@ -142,8 +155,15 @@ class GroupStorage(Storage):
         return self._schema
 
     # -- writes -------------------------------------------------------------------------------------------
-    def append_group(self, td: TensorDictBase) -> torch.Tensor:
-        """Commit one whole group atomically; return its row indices (positions at commit time)."""
+    def append_group(self, td: TensorDictBase, *, commit_id: str | None = None,
+                     member_ids: list[str] | None = None) -> torch.Tensor:
+        """Commit one whole group atomically; return its row indices (positions at commit time).
+
+        ``commit_id`` makes the commit idempotent: if a group with that id is already in the commit log (a
+        writer committed it and died before reporting it, and a recovery writes it again), nothing new is
+        committed and an empty index is returned. The check runs under the commit-log lock. ``member_ids``
+        (opaque strings naming what this commit consumed, e.g. staged payloads) are recorded with it: see :meth:`committed_member_ids`.
+        """
         if os.getpid() != self._pid:
             self._after_fork()
         self._refresh()
@@ -157,9 +177,16 @@ class GroupStorage(Storage):
         gid = None
         if self.group_key in cols.fixed and cols.fixed[self.group_key].size:
             gid = cols.fixed[self.group_key].reshape(-1)[0].item()
-        rec = self._log.append(lambda seq: {"t": "group", "n": cols.n, "loc": loc, "bytes": nbytes,
-                                            "time": time.time(), "gid": gid, "cat": cat,
-                                            "writer": self._writer_name()}, self._apply)
+        def make(seq):
+            if commit_id is not None and commit_id in self._commit_ids:
+                return None  # already committed by a writer that died before confirming it
+            return {"t": "group", "n": cols.n, "loc": loc, "bytes": nbytes, "time": time.time(), "gid": gid,
+                    "cat": cat, "writer": self._writer_name(), **({"cid": commit_id} if commit_id else {}),
+                    **({"mids": list(member_ids)} if member_ids else {})}
+
+        rec = self._log.append(make, self._apply)
+        if rec is None:
+            return torch.zeros(0, dtype=torch.int64)
         self._pending_catalog.append(rec)
         self._retain()
         if len(self._pending_catalog) >= self.catalog_every:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import mmap
+import errno
 import os
 import time
 from pathlib import Path
@@ -140,7 +141,7 @@ class ArrowStorage(GroupStorage):
         buf = batch.serialize()
         written = os.write(self._wfd, buf)
         if written != buf.size:
-            raise OSError(f"short write to segment {self._wname} ({written} of {buf.size} bytes)")
+            raise OSError(errno.ENOSPC, f"short write to segment {self._wname} ({written} of {buf.size} bytes)")
         loc = {"seg": self._wname, "off": self._wpos, "len": buf.size, "batch": self._wbatches, "row": 0}
         self._wpos += buf.size
         self._wbatches += 1

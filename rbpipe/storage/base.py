@@ -116,6 +116,17 @@ class GroupStorage(Storage):
                 self._index_cache = None
                 self._on_move(rec)
 
+    def _write_error(self, err: OSError) -> StoreError:
+        """A failed write in plain words; what was half-written is unreachable (no commit line)."""
+        import errno
+
+        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+               errno.EROFS: "the store is on a read-only file system",
+               errno.EACCES: "permission denied"}.get(err.errno, str(err))
+        return StoreError(f"could not write a group to the store {self.path}: {why}. Nothing of this group was "
+                          "committed and the groups already stored are intact; free space / make the store "
+                          "writable, then retry (or write to another --store)")
+
     def committed_member_ids(self) -> set[str]:
         """Every ``member_ids`` entry ever committed (evicted groups included): lets a recovering writer
         tell which of its pending items already reached the store."""
@@ -172,7 +183,10 @@ class GroupStorage(Storage):
             self._log.append(lambda seq: None if self._schema is not None else
                              {"t": "schema", "schema": candidate.to_json(), "time": time.time()}, self._apply)
         cols = self._schema.split(td)  # raises SchemaError before anything is written
-        loc, nbytes = self._write_group(cols)
+        try:
+            loc, nbytes = self._write_group(cols)
+        except OSError as err:
+            raise self._write_error(err) from err
         cat = self._catalog_values(cols)
         gid = None
         if self.group_key in cols.fixed and cols.fixed[self.group_key].size:
@@ -184,7 +198,10 @@ class GroupStorage(Storage):
                     "cat": cat, "writer": self._writer_name(), **({"cid": commit_id} if commit_id else {}),
                     **({"mids": list(member_ids)} if member_ids else {})}
 
-        rec = self._log.append(make, self._apply)
+        try:
+            rec = self._log.append(make, self._apply)
+        except OSError as err:
+            raise self._write_error(err) from err
         if rec is None:
             return torch.zeros(0, dtype=torch.int64)
         self._pending_catalog.append(rec)

@@ -7,6 +7,7 @@ at any point leaves either a whole group or nothing visible. Records get consecu
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -39,7 +40,14 @@ class CommitLog:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self.read_only = False
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as err:  # a read-only store (file system or permissions) is still readable
+            if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not self.path.exists():
+                raise
+            self._fd = os.open(self.path, os.O_RDONLY)
+            self.read_only = True
         self._offset = 0
         self.next_seq = 0
         self.torn_lines = 0  # complete lines that failed their checksum (a writer died mid-line)
@@ -80,6 +88,8 @@ class CommitLog:
     def append(self, make: Callable[[int], dict | None], apply: Callable[[list[dict]], Any]) -> dict | None:
         """Under the lock: catch up (``apply`` the new records), build the record for the next sequence
         number with ``make`` (which may raise: nothing is written), and write it as one line."""
+        if self.read_only:
+            raise OSError(errno.EROFS, f"{self.path} was opened read-only")
         with self.locked():
             apply(self.read_new())
             if self.pending_bytes:  # a dead writer's torn tail: terminate it so it reads as one bad line

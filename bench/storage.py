@@ -1,10 +1,13 @@
 """Storage benchmark: torchrl LazyMemmapStorage / LazyTensorStorage vs rbpipe Arrow and Zarr stores.
 
-Same data, same run. Workloads: ``llm_groups`` (groups of 16 trajectories, 100-1000 ragged tokens +
+Same data, same run. Writes: the median of three passes, each into a fresh storage. Workloads: ``llm_groups`` (groups of 16 trajectories, 100-1000 ragged tokens +
 log-probs; padded to the max length for the torchrl storages) and ``rl_rows`` (classic RL rows: obs[64],
 action, reward, done; written in groups of 64 rows). Ops: ``write`` (whole groups) and ``sample``
-(16 random whole groups for llm_groups, 256 random rows for rl_rows; warm, after one warm-up draw).
+(16 random whole groups for llm_groups, 256 random rows for rl_rows; warm: the median call after one
+warm-up draw).
 For arrow on rl_rows, ``sample`` is measured after ``compact()`` (and ``sample_uncompacted`` before).
+``arrow-padded``/``zarr-padded`` read the same store with ``ragged_layout="padded"`` (dense zero-padded
+tensors, as the memmap baseline returns them) instead of a lazy stack of rows.
 Throughput is rows per second. Nothing is asserted: the figures are reported as measured.
 """
 
@@ -63,48 +66,59 @@ def rl_rows(n_groups: int, seed: int = 0, rows: int = 64):
 
 
 def _timeit(fn, reps):
-    fn()  # warm-up
-    t0 = time.perf_counter()
+    """Median seconds per call after one warm-up call (robust to a neighbour stealing the CPU)."""
+    fn()
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def make_storage(backend: str, workload: str, total: int):
+    """A fresh, empty storage of ``backend`` in a new temporary directory."""
+    from torchrl.data import LazyMemmapStorage, LazyTensorStorage
+    from rbpipe.storage import ArrowStorage, ZarrStorage
+    tmp = tempfile.mkdtemp(prefix=f"rbpipe-bench-{backend}-")
+    if backend == "memmap":
+        return LazyMemmapStorage(total, scratch_dir=tmp)
+    if backend == "tensor":
+        return LazyTensorStorage(total)
+    cls = ArrowStorage if backend == "arrow" else ZarrStorage
+    return cls(Path(tmp) / "store",
+               ragged_keys=[("tokens", "response"), ("log_probs", "rollout")] if workload == "llm_groups" else ())
+
+
+def fill(st, groups, gsize: int, start: int = 0) -> None:
+    """Write whole groups: ``set`` at the next rows for torchrl storages, ``append_group`` for ours."""
+    for k, td in enumerate(groups, start=start):
+        if hasattr(st, "append_group"):
+            st.append_group(td)
+        else:
+            st.set(torch.arange(k * gsize, (k + 1) * gsize), td)
 
 
 def run(quick: bool) -> list[dict]:
-    from torchrl.data import LazyMemmapStorage, LazyTensorStorage
-    from rbpipe.storage import ArrowStorage, ZarrStorage
     import logging
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # keep stdout to the report (--json)
     results = []
     sizes = {"llm_groups": 24 if quick else 128, "rl_rows": 100 if quick else 1000}
-    reps = 10 if quick else 50
+    reps, write_reps = (10, 3) if quick else (50, 3)
     for workload, make in (("llm_groups", llm_groups), ("rl_rows", rl_rows)):
         ragged, dense, gsize = make(sizes[workload])
         total = gsize * len(ragged)
         gen = torch.Generator().manual_seed(1)
         for backend in ("memmap", "tensor", "arrow", "zarr"):
-            tmp = tempfile.mkdtemp(prefix=f"rbpipe-bench-{backend}-")
-            if backend in ("memmap", "tensor"):
-                st = (LazyMemmapStorage(total, scratch_dir=tmp) if backend == "memmap"
-                      else LazyTensorStorage(total))
-                groups = dense
-
-                def write(st=st, first=False):
-                    for k, td in enumerate(groups[:1] if first else groups[1:], start=0 if first else 1):
-                        st.set(torch.arange(k * gsize, (k + 1) * gsize), td)
-            else:
-                cls = ArrowStorage if backend == "arrow" else ZarrStorage
-                st = cls(Path(tmp) / "store", ragged_keys=[("tokens", "response"), ("log_probs", "rollout")]
-                         if workload == "llm_groups" else ())
-                groups = ragged
-
-                def write(st=st, first=False):
-                    for td in groups[:1] if first else groups[1:]:
-                        st.append_group(td)
-            write(first=True)  # allocation / store creation is not timed
-            t0 = time.perf_counter()
-            write()
-            dt = time.perf_counter() - t0
+            groups = dense if backend in ("memmap", "tensor") else ragged
+            times = []
+            for _ in range(write_reps):  # fresh storage each time; the median pass is reported
+                st = make_storage(backend, workload, total)
+                fill(st, groups[:1], gsize)  # allocation / store creation is not timed
+                t0 = time.perf_counter()
+                fill(st, groups[1:], gsize, start=1)
+                times.append(time.perf_counter() - t0)
+            dt = sorted(times)[len(times) // 2]
             results.append({"backend": backend, "workload": workload, "op": "write",
                             "throughput": (total - gsize) / dt, "seconds": dt, "rows": total - gsize})
             if hasattr(st, "close"):
@@ -129,6 +143,11 @@ def run(quick: bool) -> list[dict]:
             dt = _timeit(sample, reps)
             results.append({"backend": backend, "workload": workload, "op": "sample", "throughput": n / dt,
                             "seconds_per_call": dt, "rows": n, **extra})
+            if backend in ("arrow", "zarr") and workload == "llm_groups":  # same store, read as padded
+                padded = type(st)(st.path, create=False, ragged_layout="padded")
+                dt = _timeit(lambda: padded.get(draw()), reps)
+                results.append({"backend": f"{backend}-padded", "workload": workload, "op": "sample",
+                                "throughput": n / dt, "seconds_per_call": dt, "rows": n})
     return results
 
 
@@ -144,9 +163,9 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps({"default_backend": "arrow", "results": results}))
         return
-    print(f"{'workload':<11} {'op':<7} {'backend':<7} {'rows/s':>12} {'x memmap':>9}")
+    print(f"{'workload':<11} {'op':<7} {'backend':<12} {'rows/s':>12} {'x memmap':>9}")
     for r in results:
-        line = f"{r['workload']:<11} {r['op']:<7} {r['backend']:<7} {r['throughput']:>12.0f} {r['ratio_vs_memmap']:>9.2f}"
+        line = f"{r['workload']:<11} {r['op']:<7} {r['backend']:<12} {r['throughput']:>12.0f} {r['ratio_vs_memmap']:>9.2f}"
         if "sample_uncompacted_throughput" in r:
             line += (f"   (before compact(): {r['sample_uncompacted_throughput']:.0f} rows/s, "
                      f"{r['sample_uncompacted_throughput'] / base[(r['workload'], 'sample')]:.2f}x)")

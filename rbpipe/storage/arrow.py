@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from rbpipe.storage.base import GroupStorage, pid_alive, writer_id
 from rbpipe.storage.format import SEGMENTS_DIR
-from rbpipe.storage.layout import Column, GroupColumns, Schema
+from rbpipe.storage.layout import Column, GroupColumns, Schema, take_ragged
 
 SEALED = ".arrows"
 IN_PROGRESS = ".arrows.inprogress"
@@ -103,6 +103,9 @@ class ArrowStorage(GroupStorage):
         max_size: live rows kept (oldest whole groups are evicted beyond it); None = unbounded.
         max_bytes: same, in bytes of group data.
         ragged_keys: keys whose per-row shape varies (also detected from the first write).
+        ragged_layout: how reads return ragged keys: ``"rows"`` (a LazyStackedTensorDict of rows, the
+            torchrl LLM convention) or ``"padded"`` (dense, zero-padded to the batch's longest row, lengths
+            under ``("lengths", *key)``; several times faster to sample).
         group_key: key holding the group id (recorded in the catalogue).
         catalog_columns: catalogue column -> (key, "value" | "length"); default: returns, advantages,
             collectors, policy_versions, lengths (columns whose key is absent are skipped).
@@ -165,7 +168,7 @@ class ArrowStorage(GroupStorage):
         return self._wname or super()._writer_name()
 
     # -- reading ------------------------------------------------------------------------------------------
-    def _block_id(self, loc: dict) -> int:
+    def _block_id(self, loc: dict, n: int) -> int:
         key = (loc["seg"], loc["off"], loc["len"])
         bid = self._blocks.get(key)
         if bid is None:
@@ -225,21 +228,24 @@ class ArrowStorage(GroupStorage):
         return v
 
     def _gather(self, block, local_rows, keys=None) -> dict:
+        """Columns of ``local_rows`` of one batch; ragged columns as (flat values, shapes) (layout.py)."""
         if block is None:
-            return {c.key: ([] if c.ragged else np.zeros((0, *c.shape), c.np_dtype))
-                    for c in self._schema.columns}
+            return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
+                            else np.zeros((0, *c.shape), c.np_dtype)) for c in self._schema.columns}
         v = self._view(block)
         out = {}
         contiguous = len(local_rows) > 0 and local_rows[-1] - local_rows[0] == len(local_rows) - 1 and (
             len(local_rows) == 1 or (np.diff(local_rows) == 1).all())
+        first, last = (int(local_rows[0]), int(local_rows[-1]) + 1) if contiguous else (0, 0)
         for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
             if c.ragged:
                 values, offsets, shapes = v[c.key]
-                trail = (2,) if c.complex else ()
-                out[c.key] = [values[offsets[r]:offsets[r + 1]].reshape(*shapes[r], *trail)
-                              for r in local_rows.tolist()]
+                if contiguous:  # whole groups: one slice, no per-row work
+                    out[c.key] = (values[offsets[first]:offsets[last]], shapes[first:last])
+                else:
+                    out[c.key] = take_ragged(values, shapes, c, local_rows)
             elif contiguous:
-                out[c.key] = v[c.key][local_rows[0]:local_rows[-1] + 1]
+                out[c.key] = v[c.key][first:last]
             else:
                 out[c.key] = v[c.key][local_rows]
         return out
@@ -297,7 +303,7 @@ class ArrowStorage(GroupStorage):
             rowpos = 0
             moves = []
             for r in recs:
-                b = self._block_id(r["loc"])
+                b = self._block_id(r["loc"], r["n"])
                 rows = np.arange(r["loc"]["row"], r["loc"]["row"] + r["n"])
                 parts.append(self._gather(b, rows))
                 moves.append([r["seq"], rowpos])
@@ -305,10 +311,8 @@ class ArrowStorage(GroupStorage):
             merged.n = rowpos
             for c in self._schema.columns:
                 if c.ragged:
-                    lst = [a for p in parts for a in p[c.key]]
-                    merged.ragged[c.key] = (np.concatenate([a.reshape(-1) for a in lst]),
-                                            np.asarray([a.shape[:c.ndim] for a in lst], np.int64
-                                                       ).reshape(len(lst), c.ndim))
+                    merged.ragged[c.key] = (np.concatenate([p[c.key][0] for p in parts]),
+                                            np.concatenate([p[c.key][1] for p in parts]))
                 else:
                     merged.fixed[c.key] = np.concatenate([p[c.key] for p in parts])
             name = "compact-" + _wid()

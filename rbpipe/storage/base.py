@@ -13,12 +13,13 @@ import socket
 import time
 import uuid
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase, lazy_stack
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.procs import pid_alive  # noqa: F401 - re-exported for storage modules
@@ -27,7 +28,8 @@ from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOK
                            VERSION_KEY)
 from rbpipe.storage.commitlog import CommitLog
 from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
-from rbpipe.storage.layout import GroupColumns, Schema, from_storage_np, key_tuple
+from rbpipe.storage.group_index import GroupIndex
+from rbpipe.storage.layout import GroupColumns, Schema, from_storage_np, key_tuple, take_ragged
 
 NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
@@ -55,7 +57,7 @@ class GroupStorage(Storage):
     def __init__(self, path: str | os.PathLike, *, max_size: int | None = None, max_bytes: int | None = None,
                  ragged_keys: Sequence[NestedKey] = (), group_key: NestedKey = GROUP_KEY,
                  catalog_columns: Mapping[str, tuple[NestedKey, str]] | None = None, create: bool = True,
-                 catalog_every: int = 32) -> None:
+                 catalog_every: int = 32, ragged_layout: str = "rows") -> None:
         if max_size is not None and max_size < 1:
             raise StoreError(f"max_size must be a positive number of rows or None, got {max_size}")
         super().__init__(max_size=UNBOUNDED if max_size is None else max_size)
@@ -63,7 +65,10 @@ class GroupStorage(Storage):
                                ragged_keys=[list(key_tuple(k)) for k in ragged_keys], group_key=group_key,
                                catalog_columns=None if catalog_columns is None else
                                {k: (list(key_tuple(v[0])), v[1]) for k, v in catalog_columns.items()},
-                               create=create, catalog_every=catalog_every)
+                               create=create, catalog_every=catalog_every, ragged_layout=ragged_layout)
+        if ragged_layout not in ("rows", "padded"):
+            raise StoreError(f"ragged_layout must be 'rows' or 'padded', got {ragged_layout!r}")
+        self.ragged_layout = ragged_layout
         self.path = Path(path).absolute()
         self.max_bytes = max_bytes
         self.ragged_keys = tuple(key_tuple(k) for k in ragged_keys)
@@ -78,11 +83,12 @@ class GroupStorage(Storage):
                                    options={"ragged_keys": self._init_args["ragged_keys"]})
         self._log = CommitLog(self.path / COMMIT_LOG)
         self._schema: Schema | None = None
-        self._groups: dict[int, dict] = {}  # seq -> group record, in commit order
+        self._groups: OrderedDict[int, dict] = OrderedDict()  # seq -> group record, in commit order
+        self._gindex = GroupIndex()  # row positions of the live groups
+        self._live_bytes = 0
         self._commit_ids: set[str] = set()  # ids of committed groups (idempotent recovery writes)
         self._member_ids: set[str] = set()  # writer-supplied ids of committed rows (e.g. staging handles)
         self._evicted_upto = -1
-        self._index_cache = None
         self._pid = os.getpid()
         self._pending_catalog: list[dict] = []
         self._open_backend()
@@ -103,17 +109,20 @@ class GroupStorage(Storage):
                 if rec["seq"] <= self._evicted_upto:
                     continue
                 self._groups[rec["seq"]] = rec
-                self._index_cache = None
+                self._gindex.append(rec["seq"], rec["n"], self._block_id(rec["loc"], rec["n"]),
+                                    rec["loc"].get("row", 0))
+                self._live_bytes += rec["bytes"]
             elif kind == "evict":
                 self._evicted_upto = max(self._evicted_upto, rec["upto"])
-                for seq in [s for s in self._groups if s <= rec["upto"]]:
-                    del self._groups[seq]
-                self._index_cache = None
+                while self._groups and next(iter(self._groups)) <= rec["upto"]:
+                    self._live_bytes -= self._groups.popitem(last=False)[1]["bytes"]
+                self._gindex.evict_upto(rec["upto"])
             elif kind == "move":
                 for seq, loc in rec["groups"]:
                     if int(seq) in self._groups:
                         self._groups[int(seq)] = dict(self._groups[int(seq)], loc=loc)
-                self._index_cache = None
+                self._gindex.relocate(lambda seq: (self._block_id(self._groups[seq]["loc"], self._groups[seq]["n"]),
+                                                   self._groups[seq]["loc"].get("row", 0)))
                 self._on_move(rec)
 
     def _write_error(self, err: OSError) -> StoreError:
@@ -136,23 +145,13 @@ class GroupStorage(Storage):
     def _refresh(self) -> None:
         self._apply(self._log.read_new())
 
-    def _index(self):
+    def _index(self) -> tuple[np.ndarray, ...]:
         """Arrays over live groups in commit order: seq, first row, stop row, block id, local row start."""
-        if self._index_cache is None:
-            recs = list(self._groups.values())
-            n = np.fromiter((r["n"] for r in recs), np.int64, len(recs))
-            stops = np.cumsum(n)
-            starts = stops - n
-            blocks = np.fromiter((self._block_id(r["loc"]) for r in recs), np.int64, len(recs))
-            local = np.fromiter((r["loc"].get("row", 0) for r in recs), np.int64, len(recs))
-            seqs = np.fromiter(self._groups.keys(), np.int64, len(recs))
-            self._index_cache = (seqs, starts, stops, blocks, local, recs)
-        return self._index_cache
+        return self._gindex.arrays()
 
     def __len__(self) -> int:
         self._refresh()
-        stops = self._index()[2]
-        return int(stops[-1]) if len(stops) else 0
+        return self._gindex.rows
 
     def group_spans(self) -> torch.Tensor:
         """``[n_groups, 3]`` int64: (commit sequence number, first row, stop row) of live groups, oldest first."""
@@ -208,33 +207,30 @@ class GroupStorage(Storage):
         self._retain()
         if len(self._pending_catalog) >= self.catalog_every:
             self.flush_catalog()
-        seqs, starts = self._index()[:2]
-        pos = int(np.searchsorted(seqs, rec["seq"]))
-        if pos >= len(seqs) or seqs[pos] != rec["seq"]:  # evicted at once (larger than max_size/max_bytes)
+        start = self._gindex.start_of(rec["seq"])
+        if start is None:  # evicted at once (larger than max_size/max_bytes)
             return torch.zeros(0, dtype=torch.int64)
         self._bump_mutation_revision()
-        return torch.arange(int(starts[pos]), int(starts[pos]) + cols.n)
+        return torch.arange(start, start + cols.n)
 
     def _retain(self) -> None:
         if self.max_size == UNBOUNDED and self.max_bytes is None:
             return
 
+        def over(rows: int, nbytes: int) -> bool:
+            return rows > self.max_size or (self.max_bytes is not None and nbytes > self.max_bytes)
+
         def make(seq):
-            recs = list(self._groups.values())
-            rows = sum(r["n"] for r in recs)
-            nbytes = sum(r["bytes"] for r in recs)
-            upto = None
-            for r in recs[:-1]:  # always keep the newest group
-                if rows <= self.max_size and (self.max_bytes is None or nbytes <= self.max_bytes):
+            rows, nbytes, upto = self._gindex.rows, self._live_bytes, None
+            for i, r in enumerate(self._groups.values()):  # oldest first; always keep the newest group
+                if i == len(self._groups) - 1 or not over(rows, nbytes):
                     break
                 rows -= r["n"]
                 nbytes -= r["bytes"]
                 upto = r["seq"]
             return None if upto is None else {"t": "evict", "upto": upto, "time": time.time()}
 
-        recs = list(self._groups.values())
-        if (sum(r["n"] for r in recs) > self.max_size
-                or (self.max_bytes is not None and sum(r["bytes"] for r in recs) > self.max_bytes)):
+        if over(self._gindex.rows, self._live_bytes):
             self._log.append(make, self._apply)
             self._after_evict()
 
@@ -308,32 +304,45 @@ class GroupStorage(Storage):
         return rows, scalar
 
     def _gather_rows(self, rows: np.ndarray) -> dict[tuple, Any]:
-        seqs, starts, stops, blocks, local, _ = self._index()
+        """Columns of ``rows``: fixed ones as one array, ragged ones as a list of (flat values, shapes)
+        parts in row order. Parts are views of the mapped segments where possible: concatenating them
+        here would allocate (and page-fault in) a fresh buffer on every sample."""
+        seqs, starts, stops, blocks, local = self._index()
         g = np.searchsorted(stops, rows, side="right")
         blk = blocks[g]
         loc = rows - starts[g] + local[g]
-        out: dict[tuple, Any] = {}
         if rows.size == 0:
-            return self._gather(None, loc)
-        if (blk == blk[0]).all():
-            return self._gather(int(blk[0]), loc)
-        order = np.argsort(blk, kind="stable")
-        sorted_blk = blk[order]
-        cuts = np.flatnonzero(np.diff(sorted_blk)) + 1
-        parts = [self._gather(int(sorted_blk[s]), loc[order[s:e]])
-                 for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(order)])]
-        inv = None if (np.diff(order) == 1).all() else np.argsort(order)
+            parts, inv = [self._gather(None, loc)], None
+        else:
+            cuts = np.flatnonzero(np.diff(blk)) + 1  # runs of rows in one block, in the order asked for
+            if len(cuts) < 64:  # e.g. whole groups: one gather per group, nothing to reorder
+                parts = [self._gather(int(blk[s]), loc[s:e])
+                         for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(rows)])]
+                inv = None
+            else:  # scattered rows: one gather per block, then back to the order asked for
+                order = np.argsort(blk, kind="stable")
+                sorted_blk = blk[order]
+                cuts = np.flatnonzero(np.diff(sorted_blk)) + 1
+                parts = [self._gather(int(sorted_blk[s]), loc[order[s:e]])
+                         for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(order)])]
+                inv = np.argsort(order)
+        out: dict[tuple, Any] = {}
         for c in self._schema.columns:
             if c.ragged:
-                merged = [a for p in parts for a in p[c.key]]
-                out[c.key] = merged if inv is None else [merged[i] for i in inv]
+                out[c.key] = [p[c.key] for p in parts]
+                if inv is not None:
+                    out[c.key] = [take_ragged(*_concat(out[c.key]), c, inv)]
+            elif len(parts) == 1:
+                out[c.key] = parts[0][c.key]
             else:
                 merged = np.concatenate([p[c.key] for p in parts])
                 out[c.key] = merged if inv is None else merged[inv]
         return out
 
     def get(self, index) -> TensorDictBase:
-        """Rows as a dense TensorDict (no ragged key) or a LazyStackedTensorDict of rows (ragged keys)."""
+        """Rows as a dense TensorDict (no ragged key) or, with ragged keys, a LazyStackedTensorDict of rows
+        (``ragged_layout="rows"``) or a dense TensorDict right-padded with zeros plus each ragged key's
+        per-row length under ``("lengths", *key)`` (``ragged_layout="padded"``, no per-row objects)."""
         rows, scalar = self._rows(index)
         if self._schema is None:
             raise IndexError("the store is empty")
@@ -348,21 +357,31 @@ class GroupStorage(Storage):
         return td[0] if scalar else td
 
     def _to_td(self, data: dict, m: int) -> TensorDictBase:
+        """Columns -> TensorDict. With ragged keys, rows are views of one dense TensorDict of the fixed
+        columns (``unbind``) with each row's ragged tensors set without re-validation: building every row
+        TensorDict from scratch cost about 40 us a row and dominated group sampling."""
         cols = self._schema.columns
-        if not self._schema.has_ragged:
-            td = TensorDict(_nest({c.key: from_storage_np(data[c.key], c.dtype) for c in cols}), batch_size=[m])
-            return td
-        fixed = [(c.key, from_storage_np(data[c.key], c.dtype)) for c in cols if not c.ragged]
-        ragged = [(c, data[c.key]) for c in cols if c.ragged]
-        rows = []
-        for i in range(m):
-            d = {k: t[i] for k, t in fixed}
-            for c, lst in ragged:
-                d[c.key] = from_storage_np(lst[i], c.dtype)
-            rows.append(TensorDict(_nest(d), batch_size=[]))
-        if not rows:
-            return TensorDict({c.key: torch.zeros(0) for c in cols if not c.ragged}, batch_size=[0])
-        return lazy_stack(rows, 0)
+        fixed = {c.key: from_storage_np(data[c.key], c.dtype) for c in cols if not c.ragged}
+        if self.ragged_layout == "padded":
+            for c in cols:
+                if c.ragged:
+                    fixed[c.key], fixed[("lengths", *c.key)] = _pad(data[c.key], c, m)
+        dense = TensorDict(_nest(fixed), batch_size=[m])
+        if not self._schema.has_ragged or self.ragged_layout == "padded" or m == 0:
+            return dense
+        rows = dense.unbind(0)
+        for c in cols:
+            if c.ragged:
+                trail = (2,) if c.complex else ()
+                tensors = []
+                for values, shapes in data[c.key]:  # one tensor per part, then per-row views of it
+                    flat = from_storage_np(values.reshape(-1, *trail), c.dtype)
+                    sizes = (shapes.prod(1) if c.ndim else np.ones(len(shapes), np.int64)).tolist()
+                    tensors += [t.view(shape) if c.ndim != 1 else t
+                                for t, shape in zip(flat.split(sizes), shapes.tolist())]
+                for row, t in zip(rows, tensors):
+                    row._set_tuple(c.key, t, inplace=False, validated=True, non_blocking=False)
+        return LazyStackedTensorDict(*rows, stack_dim=0)
 
     def read_column(self, key: NestedKey, rows=None) -> torch.Tensor:
         """A fixed-shape column (all live rows, or ``rows``) as one tensor; the samplers' fast path."""
@@ -373,7 +392,7 @@ class GroupStorage(Storage):
             raise SchemaError(f"read_column needs a fixed-shape column; {'.'.join(key)!r} is "
                               f"{'ragged' if col else 'not in the store'}")
         r, _ = self._rows(slice(None) if rows is None else rows)
-        seqs, starts, stops, blocks, local, _ = self._index()
+        seqs, starts, stops, blocks, local = self._index()
         g = np.searchsorted(stops, r, side="right")
         blk, loc = blocks[g], r - starts[g] + local[g]
         out = np.empty((len(r), *col.shape, *((2,) if col.complex else ())), col.np_dtype)
@@ -434,9 +453,39 @@ class GroupStorage(Storage):
         return f"{socket.gethostname()}-{os.getpid()}"
     def check_tail(self) -> dict:
         return {"torn_commit_lines": self._log.torn_lines, "unterminated_commit_bytes": self._log.pending_bytes}
-    def _block_id(self, loc: dict) -> int: ...
+    def _block_id(self, loc: dict, n: int) -> int:
+        """Id of the unit ``_gather`` reads from (a record batch, a group...) for a group at ``loc``."""
     def _write_group(self, cols: GroupColumns) -> tuple[dict, int]: ...
     def _gather(self, block: int | None, local_rows: np.ndarray, keys=None) -> dict: ...
+
+
+def _concat(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged parts -> one (flat values, shapes)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([v for v, _ in parts]), np.concatenate([s for _, s in parts])
+
+
+def _pad(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged parts -> (``[m, *longest]`` tensor right-padded with zeros, first-dim lengths ``[m]``)."""
+    trail = (2,) if col.complex else ()
+    all_shapes = np.concatenate([s for _, s in parts]) if parts else np.zeros((0, col.ndim), np.int64)
+    top = tuple(int(x) for x in all_shapes.max(0)) if m else (0,) * col.ndim
+    out = np.zeros((m, *top, *trail), col.np_dtype)
+    i = 0
+    for values, shapes in parts:  # a loop of slice copies: faster than one flat fancy-index scatter
+        elems = values.reshape(-1, *trail)
+        pos = 0
+        for shape, k in zip(shapes.tolist(), (shapes.prod(1) if col.ndim else np.ones(len(shapes), np.int64)
+                                               ).tolist()):
+            if col.ndim == 1:
+                out[i, :k] = elems[pos:pos + k]
+            else:
+                out[(i, *(slice(0, s) for s in shape))] = elems[pos:pos + k].reshape(*shape, *trail)
+            pos += k
+            i += 1
+    lengths = torch.from_numpy(all_shapes[:, 0].copy()) if col.ndim else torch.ones(m, dtype=torch.int64)
+    return from_storage_np(out, col.dtype), lengths
 
 
 def _nest(d: dict) -> dict:

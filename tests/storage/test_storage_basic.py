@@ -39,13 +39,15 @@ def _rand(shape, dtype, g):
        trail=st.sampled_from([(), (3,), (2, 2)]))
 def test_roundtrip_every_dtype_and_ragged(tmp_path_factory, cls, dtype_idx, sizes, seed, trail):
     g = torch.Generator().manual_seed(seed)
-    store = cls(tmp_path_factory.mktemp("s") / "store", ragged_keys=[("r", "x")])
+    path = tmp_path_factory.mktemp("s") / "store"
+    store = cls(path, ragged_keys=[("r", "x"), ("r", "y")])
     written = []
     for n in sizes:
         rows = []
         for _ in range(n):
             d = {f"f{i}": _rand(trail, DTYPES[j], g) for i, j in enumerate(dtype_idx)}
-            d["r"] = {"x": _rand((int(torch.randint(0, 6, (), generator=g)), 2), DTYPES[dtype_idx[0]], g)}
+            d["r"] = {"x": _rand((int(torch.randint(0, 6, (), generator=g)), 2), DTYPES[dtype_idx[0]], g),
+                      "y": _rand((int(torch.randint(0, 6, (), generator=g)),), DTYPES[dtype_idx[-1]], g)}
             rows.append(TensorDict(d, batch_size=[]))
         td = lazy_stack(rows, 0)
         idx = store.append_group(td)
@@ -58,6 +60,18 @@ def test_roundtrip_every_dtype_and_ragged(tmp_path_factory, cls, dtype_idx, size
         for key in written[i].keys(True, True):
             a, b = out[k].get(key), written[i].get(key)
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+    # the same rows read back right-padded (one dense TensorDict, lengths beside)
+    padded = cls(path, create=False, ragged_layout="padded").get(perm)
+    assert type(padded) is TensorDict
+    for k, i in enumerate(perm.tolist()):
+        for key in written[i].keys(True, True):
+            a, b = padded[k].get(key), written[i].get(key)
+            if key[0] == "r":
+                assert padded[k].get(("lengths", *key)).item() == b.shape[0]
+                assert torch.equal(a[tuple(slice(0, s) for s in b.shape)], b), key
+                assert not a[b.shape[0]:].any(), key  # padding is zeros
+            else:
+                assert torch.equal(a, b), key
 
 
 @pytest.mark.parametrize("cls", BACKENDS)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import traceback
+from typing import Any, Callable
 
 
 def pid_alive(pid: int) -> bool:
@@ -20,3 +22,19 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def run_worker(name: str, main: Callable[..., Any], *args: Any, cleanup: Callable[[], None] | None = None) -> None:
+    """A worker process's body: Ctrl-C ends it quietly; an exception becomes one line naming the worker
+    and the cause (which the launcher's supervisor reports), a traceback, and exit code 1."""
+    try:
+        main(*args)
+    except KeyboardInterrupt:
+        pass
+    except Exception as err:  # noqa: BLE001 - reported by the supervisor
+        print(f"[{name}] failed: {type(err).__name__}: {err}", flush=True)
+        traceback.print_exc()
+        raise SystemExit(1)
+    finally:
+        if cleanup is not None:
+            cleanup()

@@ -7,13 +7,13 @@ several processes and only the shared grouping transform can complete the group.
 from __future__ import annotations
 
 import time
-import traceback
 
 import torch
 
 from rbpipe.config import RunConfig
 from rbpipe.errors import BadTrajectoryError
 from rbpipe.policy import build_model, sample_responses
+from rbpipe.procs import run_worker
 from rbpipe.schema import make_trajectory
 from rbpipe.task import CopyFirstDigitTask
 from rbpipe.weights import SharedWeights
@@ -66,14 +66,5 @@ def _close_storage(buffer) -> None:
 
 
 def collector_entry(*args) -> None:
-    """Process target: run, and turn an exception into a one-line reason plus exit code 1."""
-    try:
-        run_collector(*args)
-    except KeyboardInterrupt:
-        pass
-    except Exception as err:  # noqa: BLE001 - reported by the supervisor
-        print(f"[collector {args[0]}] failed: {type(err).__name__}: {err}", flush=True)
-        traceback.print_exc()
-        raise SystemExit(1)
-    finally:
-        _close_storage(args[2])
+    """Process target (see :func:`rbpipe.procs.run_worker`); the store is closed however the run ends."""
+    run_worker(f"collector {args[0]}", run_collector, *args, cleanup=lambda: _close_storage(args[2]))

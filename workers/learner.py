@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from torchrl.data import ReplayBuffer
 from rbpipe.config import RunConfig
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
 from rbpipe.policy import build_learner_actor, build_model
+from rbpipe.procs import run_worker
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity
 from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY
@@ -116,11 +116,5 @@ def _group_fingerprints(rows) -> list[list[int]]:
 
 
 def learner_entry(*args) -> None:
-    try:
-        run_learner(*args)
-    except KeyboardInterrupt:
-        pass
-    except Exception as err:  # noqa: BLE001 - reported by the supervisor
-        print(f"[learner] failed: {type(err).__name__}: {err}", flush=True)
-        traceback.print_exc()
-        raise SystemExit(1)
+    """Process target (see :func:`rbpipe.procs.run_worker`)."""
+    run_worker("learner", run_learner, *args)

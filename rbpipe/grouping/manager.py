@@ -7,11 +7,15 @@ join with :func:`connect_manager` (address + authkey) and look a registry up by 
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 from typing import Any
 
 import multiprocess
-from multiprocess.managers import BaseManager, RemoteError
+from multiprocess import connection as _mp_connection
+from multiprocess import managers as _mp_managers
+from multiprocess.managers import BaseManager, BaseProxy, RemoteError
+from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.registry import GroupRegistry, get_registry
@@ -19,11 +23,93 @@ from rbpipe.grouping.registry import GroupRegistry, get_registry
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
 
+# -- the wire: stdlib pickle, dill only when needed -----------------------------------------------------------
+# ``multiprocess`` connections pickle every message with dill (~15 us for the small per-trajectory request and
+# as much for its answer, on each side); the registry's messages are plain data that the C pickler handles in
+# well under a microsecond. Each message is tagged: ``S`` stdlib pickle, ``D`` dill (anything stdlib pickle
+# refuses, e.g. a lambda ``candidate_selector``, or that refers to ``__main__``, which dill sends by value).
+SERIALIZER = "rbpipe-pickle"
+_STD, _DILL = b"S", b"D"
+_STD_TAG = _STD[0]
+
+
+def _dumps(obj) -> bytes:
+    try:
+        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - anything stdlib pickle cannot do, dill may
+        data = None
+    if data is None or b"__main__" in data:
+        return _DILL + bytes(_DillPickler.dumps(obj))
+    return _STD + data
+
+
+def _loads(buf: memoryview):
+    if buf[0] == _STD_TAG:
+        return pickle.loads(buf[1:])
+    return _DillPickler.loads(buf[1:])
+
+
+class _Connection(_mp_connection.Connection):
+    """A ``multiprocess`` socket connection whose ``send``/``recv`` use :func:`_dumps`/:func:`_loads`."""
+
+    def send(self, obj) -> None:
+        self._check_closed()
+        self._check_writable()
+        self._send_bytes(_dumps(obj))
+
+    def recv(self):
+        self._check_closed()
+        self._check_readable()
+        return _loads(self._recv_bytes().getbuffer())
+
+
+def _wrap(conn):
+    if type(conn) is not _mp_connection.Connection:
+        return conn
+    handle, conn._handle = conn._handle, None  # hand the open socket over (multiprocess has no detach())
+    return _Connection(handle)
+
+
+class _Listener(_mp_connection.Listener):
+    def accept(self):
+        return _wrap(super().accept())
+
+
+def _Client(address, family=None, authkey=None):  # noqa: N802 - mirrors multiprocess.connection.Client
+    return _wrap(_mp_connection.Client(address, family, authkey))
+
+
+_mp_managers.listener_client.setdefault(SERIALIZER, (_Listener, _Client))
+
+
+class RegistryProxy(BaseProxy):
+    """Proxy to a :class:`GroupRegistry`; pickles by reference to this module, so the wire above is registered
+    in any process that rebuilds it."""
+
+    _exposed_ = GroupRegistry.exposed
+
+
+def _proxy_method(name: str):
+    def method(self, /, *args, **kwds):
+        return self._callmethod(name, args, kwds)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in GroupRegistry.exposed:
+    setattr(RegistryProxy, _name, _proxy_method(_name))
+
+
 class GroupingManager(BaseManager):
     """Manager process holding :class:`GroupRegistry` objects (its methods run in there)."""
 
+    def __init__(self, address=None, authkey=None, serializer: str = SERIALIZER, ctx=None, **kwargs) -> None:
+        super().__init__(address=address, authkey=authkey, serializer=serializer, ctx=ctx, **kwargs)
 
-GroupingManager.register("get_registry", callable=get_registry, exposed=GroupRegistry.exposed)
+
+GroupingManager.register("get_registry", callable=get_registry, proxytype=RegistryProxy,
+                         exposed=GroupRegistry.exposed)
 
 
 def _ignore_sigint() -> None:
@@ -32,8 +118,13 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the workers; the launcher shuts us down
 
 
-def start_manager(*, address: tuple[str, int] = ("127.0.0.1", 0), authkey: bytes | None = None) -> GroupingManager:
-    """Start a grouping manager process (``multiprocess`` spawn). Shut it down with ``manager.shutdown()``."""
+def start_manager(*, address: tuple[str, int] | str | None = None, authkey: bytes | None = None) -> GroupingManager:
+    """Start a grouping manager process (``multiprocess`` spawn). Shut it down with ``manager.shutdown()``.
+
+    ``address=None`` listens on a Unix socket in a private temporary directory where the platform has them
+    (about 20% less CPU per call than TCP loopback, in the manager and in every writer); pass
+    ``("127.0.0.1", 0)`` (or a host's address) for a TCP socket that processes may join from elsewhere.
+    """
     manager = GroupingManager(address=address, authkey=authkey or secrets.token_bytes(32),
                               ctx=multiprocess.get_context("spawn"))
     manager.start(_ignore_sigint)

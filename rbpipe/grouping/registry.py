@@ -41,6 +41,7 @@ STAT_NAMES = ("completed_trajectories", "completed_decisions", "trajectory_retur
 DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_trajectories",
             "unselected_trajectories")
 QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
+_DONE: dict[int, torch.Tensor] = {}  # steps -> done column of a skeleton (only the last step done)
 
 
 
@@ -97,10 +98,14 @@ class GroupRegistry:
     def _skeleton(gid: int, hidx: int, reward: tuple) -> TensorDict:
         r = decode_tensor(*reward)
         steps = r.shape[0]
-        done = torch.zeros(steps, 1, dtype=torch.bool)
-        done[-1] = True
-        return TensorDict({_G: torch.full((steps,), gid, dtype=torch.int64), _R: r, _D: done,
-                           _H: torch.full((steps,), hidx, dtype=torch.int64)}, batch_size=[steps])
+        done = _DONE.get(steps)
+        if done is None:  # shared between skeletons: nothing writes into a queued trajectory
+            done = torch.zeros(steps, 1, dtype=torch.bool)
+            done[-1] = True
+            _DONE[steps] = done
+        return TensorDict._new_unsafe({_G: torch.full((steps,), gid, dtype=torch.int64), _R: r, _D: done,
+                                       _H: torch.full((steps,), hidx, dtype=torch.int64)},
+                                      batch_size=torch.Size([steps]))
 
     def _reserve_rows(self, n: int) -> int:
         with self._rows_lock:

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
 from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import Staging
+from rbpipe.grouping.staging import Staging, decode_leaves, leaf_tensor
 from rbpipe.schema import REQUIRED_KEYS, validate_trajectory
 
 
@@ -35,7 +35,17 @@ class Claim:
     advantages: list[tuple]
     unselected: list[str]
     rows: int | None = None
-    members: list[TensorDictBase] = field(default_factory=list)  # filled by ``load``
+    _members: list[TensorDictBase] | None = field(default=None, repr=False)
+    #: the selected members already concatenated (``load``'s fast path for same-layout tensor trajectories)
+    assembled: TensorDictBase | None = field(default=None, repr=False)
+    _sizes: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def members(self) -> list[TensorDictBase]:
+        """The selected trajectories, advantages set (filled by ``load``)."""
+        if self._members is None:
+            self._members = [] if self.assembled is None else list(self.assembled.split(self._sizes))
+        return self._members
 
     @property
     def handles(self) -> list[str]:
@@ -150,10 +160,11 @@ class SharedMCAdvantage(MCAdvantage):
             tensordict = tensordict.flatten(0, -2)
         if tensordict.ndim == 2:
             return [t for traj in tensordict.unbind(0) for t in self.split_trajectories(traj)]
-        if self.done_key not in tensordict.keys(True, True):
+        done = tensordict.get(self.done_key, None)
+        if not isinstance(done, torch.Tensor):
             validate_trajectory(tensordict, required=self.required_keys, reward_key=self.rewards_key,
                                 done_key=self.done_key)
-        done = tensordict.get(self.done_key).reshape(tensordict.shape[0], -1).any(-1)
+        done = done.reshape(tensordict.shape[0], -1).any(-1)
         if int(done.sum()) > 1:
             ends = (done.nonzero(as_tuple=True)[0] + 1).tolist()
             sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
@@ -163,7 +174,11 @@ class SharedMCAdvantage(MCAdvantage):
         return [tensordict]
 
     def _group_of(self, traj: TensorDictBase):
-        group = traj[0][self.prompt_key]
+        group = traj.get(self.prompt_key, None)
+        if isinstance(group, torch.Tensor) and not isinstance(group, TensorDictBase) and group.ndim:
+            group = group[0]  # = traj[0][prompt_key] for a tensor leaf, without indexing the TensorDict
+        else:
+            group = traj[0][self.prompt_key]
         if isinstance(group, torch.Tensor):
             return group.item() if group.numel() == 1 else tuple(group.reshape(-1).tolist())
         if isinstance(group, str):
@@ -206,15 +221,63 @@ class SharedMCAdvantage(MCAdvantage):
     def load(self, decision: dict) -> Claim:
         claim = Claim(decision["claim_id"], decision["group"], list(decision["selected"]),
                       list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"))
-        for handle, adv in zip(claim.selected, claim.advantages):
-            traj = self.staging.load(handle)
-            reward = traj.get(self.rewards_key)
-            traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
-            claim.members.append(traj)
+        payloads = [decode_leaves(self.staging.read(handle)) for handle in claim.selected]
+        if not self._assemble(claim, payloads):
+            claim._members = []
+            for (batch_size, leaves), adv in zip(payloads, claim.advantages):
+                traj = TensorDict(batch_size=batch_size)
+                for key, dtype, shape, raw in leaves:
+                    if dtype is None:
+                        traj.set_non_tensor(key, raw)
+                    else:
+                        traj.set(key, leaf_tensor(dtype, shape, raw))
+                reward = traj.get(self.rewards_key)
+                traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
+                claim._members.append(traj)
         return claim
+
+    def _assemble(self, claim: Claim, payloads: list) -> bool:
+        """Concatenate same-layout, all-tensor members leaf by leaf (what ``group_of`` would return, without
+        building one TensorDict per member); False when the members need torchrl's general path."""
+        if not payloads:
+            return False
+        batch0, leaves0 = payloads[0]
+        if len(batch0) != 1:
+            return False
+        layout = [(key, dtype, shape[1:]) for key, dtype, shape, _ in leaves0]
+        reward_key = self.rewards_key if isinstance(self.rewards_key, tuple) else (self.rewards_key,)
+        reward_shape = None
+        sizes = []
+        for batch_size, leaves in payloads:
+            if len(batch_size) != 1 or len(leaves) != len(layout):
+                return False
+            for (key, dtype, shape, _), (key0, dtype0, trailing0) in zip(leaves, layout):
+                if dtype is None or key != key0 or dtype != dtype0 or shape[1:] != trailing0 \
+                        or shape[0] != batch_size[0]:
+                    return False
+            sizes.append(batch_size[0])
+        for i, (key, _, trailing) in enumerate(layout):
+            if (key if isinstance(key, tuple) else (key,)) == reward_key:
+                reward_shape = trailing
+                break
+        if reward_shape is None:
+            return False
+        n = sum(sizes)
+        group = TensorDict(batch_size=[n])
+        for i, (key, dtype, trailing) in enumerate(layout):
+            dt = getattr(torch, dtype)
+            raw = b"".join(leaves[i][3] for _, leaves in payloads)
+            group.set(key, torch.frombuffer(bytearray(raw), dtype=dt).reshape(n, *trailing) if raw
+                      else torch.empty((n, *trailing), dtype=dt))
+        advs = [decode_tensor(*adv).reshape(size, *reward_shape) for adv, size in zip(claim.advantages, sizes)]
+        group.set(self.advantage_key, advs[0] if len(advs) == 1 else torch.cat(advs, 0))
+        claim.assembled, claim._sizes = group, sizes
+        return True
 
     def group_of(self, claim: Claim) -> TensorDictBase:
         """The claim's members concatenated like torchrl does (contiguous when possible, else lazily)."""
+        if claim.assembled is not None:
+            return claim.assembled
         return self._cat_tensordicts(claim.members, -1)
 
     def confirm(self, claim: Claim) -> None:
@@ -264,6 +327,7 @@ class SharedMCAdvantage(MCAdvantage):
         (members of groups the store already committed: the writer died before deleting them) are deleted.
         """
         claims: list[Claim] = []
+        self.staging.sweep()  # recycled (never read) files of processes that are gone
         self.staging.delete([h for h in self.staging.handles() if h in skip])
         requeued = torn = 0
         paths = sorted((self.staging.path / h for h in self.staging.handles()), key=lambda p: p.stat().st_mtime_ns)

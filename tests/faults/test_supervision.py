@@ -62,6 +62,22 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
     return out
 
 
+def kill_during_run(run_dir: Path, steps: int, victim: str, after_steps: int, timeout: float):
+    """Start a run, SIGKILL worker ``victim`` once the learner made ``after_steps`` steps, wait for the run to
+    end. Returns (output, exit code, the workers' pids, seconds from the kill to the end)."""
+    proc = start_run(run_dir, "--steps", str(steps))
+    try:
+        wait_for(lambda: learner_steps(run_dir) >= after_steps, 150, f"{after_steps} learner steps")
+        workers = pids(run_dir)
+        os.kill(workers[victim], signal.SIGKILL)
+        t_kill = time.time()
+        out = finish(proc, timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return out, proc.returncode, workers, time.time() - t_kill
+
+
 def verify_store(store: Path, grpo_size: int = 4) -> list[dict]:
     """Every committed group is whole, homogeneous and correctly normalised; ids are unique."""
     from rbpipe.storage import inspect_store
@@ -80,16 +96,8 @@ def verify_store(store: Path, grpo_size: int = 4) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_sigkilled_collector_is_reported_and_restarted_and_the_run_finishes(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "--steps", "30")
-    try:
-        wait_for(lambda: learner_steps(run_dir) >= 3, 150, "3 learner steps")
-        victim = pids(run_dir)["collector 0"]
-        os.kill(victim, signal.SIGKILL)
-        out = finish(proc, 200)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    out, code, _, _ = kill_during_run(run_dir, 30, "collector 0", after_steps=3, timeout=200)
+    assert code == 0, out[-3000:]
     assert "collector 0 killed by SIGKILL" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["restarts"] >= 1 and summary["learner_steps"] == 30
@@ -100,18 +108,9 @@ def test_sigkilled_collector_is_reported_and_restarted_and_the_run_finishes(tmp_
 @pytest.mark.timeout(300)
 def test_sigkilled_learner_stops_the_run_cleanly_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "--steps", "40")
-    try:
-        wait_for(lambda: learner_steps(run_dir) >= 6, 150, "6 learner steps")
-        workers = pids(run_dir)
-        os.kill(workers["learner"], signal.SIGKILL)
-        t_kill = time.time()
-        out = finish(proc, 60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert time.time() - t_kill < 45
-    assert proc.returncode == 1 and "learner killed by SIGKILL" in out
+    out, code, workers, seconds = kill_during_run(run_dir, 40, "learner", after_steps=6, timeout=60)
+    assert seconds < 45
+    assert code == 1 and "learner killed by SIGKILL" in out
     assert not any(alive(pid) for name, pid in workers.items() if pid and name != "launcher"), "orphans left"
     committed = verify_store(run_dir / "store")
     # resume: the learner restarts from its checkpoint, committed groups are still there
@@ -127,18 +126,9 @@ def test_sigkilled_learner_stops_the_run_cleanly_and_resume_continues(tmp_path):
 @pytest.mark.timeout(300)
 def test_dead_manager_makes_the_run_fail_fast_with_a_clear_message(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "--steps", "500")
-    try:
-        wait_for(lambda: learner_steps(run_dir) >= 2, 150, "2 learner steps")
-        workers = pids(run_dir)
-        os.kill(workers["manager"], signal.SIGKILL)
-        t_kill = time.time()
-        out = finish(proc, 90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert time.time() - t_kill < 60
-    assert proc.returncode != 0
+    out, code, workers, seconds = kill_during_run(run_dir, 500, "manager", after_steps=2, timeout=90)
+    assert seconds < 60
+    assert code != 0
     assert "manager" in out.lower()
     assert not any(alive(pid) for name, pid in workers.items() if pid and name != "launcher"), "orphans left"
     verify_store(run_dir / "store")

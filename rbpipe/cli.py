@@ -96,17 +96,20 @@ def _add_stress(sub) -> None:
                                    "and rewards (optionally killing writers), then verify from the store: "
                                    "nothing lost or duplicated, groups whole, advantages exact.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--writers", type=int, default=4)
-    p.add_argument("--trajectories", type=int, default=2000)
+    p.add_argument("--writers", type=int, default=4, help="writer processes (spawned)")
+    p.add_argument("--trajectories", type=int, default=2000, help="trajectories pushed in total")
     p.add_argument("--group-size", type=int, help="grpo_size (random per run when omitted)")
-    p.add_argument("--payload", choices=["16x64", "tok1024", "small"], default="small")
-    p.add_argument("--interleave", choices=["random", "round-robin", "grouped"], default="random")
+    p.add_argument("--payload", choices=["16x64", "tok1024", "small"], default="small",
+                   help="per trajectory: 16 steps x 64 floats, one 1,024-token sequence, or a few scalars")
+    p.add_argument("--interleave", choices=["random", "round-robin", "grouped"], default="random",
+                   help="how a group's members are spread over writers and time")
     p.add_argument("--kill-rate", type=float, default=0.0, help="probability per trajectory of SIGKILLing a writer")
     p.add_argument("--dynamic-sampling", action="store_true", help="drop all-0/all-1 groups")
-    p.add_argument("--grouping", choices=["rbpipe", "torchrl", "both"], default="rbpipe")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--store", type=Path, help="keep the store here (default: a temporary directory)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--grouping", choices=["rbpipe", "torchrl", "both"], default="rbpipe",
+                   help="rbpipe's shared MCAdvantage, torchrl's stock one (the baseline), or both in turn")
+    p.add_argument("--seed", type=int, default=0, help="seeds group ids, rewards, interleaving and kills")
+    p.add_argument("--store", type=Path, help="keep the store here (otherwise a temporary directory)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per run instead of a table")
 
 
 def _add_export(sub) -> None:

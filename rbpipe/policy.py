@@ -7,6 +7,8 @@ log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which 
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import asdict, dataclass
 
 import torch
@@ -79,9 +81,11 @@ def sample_responses(model: torch.nn.Module, prompt: torch.Tensor, num_samples: 
     seq = prompt.reshape(1, -1).expand(num_samples, -1).clone()
     tokens, log_probs, past = [], [], None
     step_input = seq
+    # transformers >= 5.x names the KV cache argument ``cache`` (``past_key_values`` warns); older: the latter
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     for _ in range(max_new_tokens):
-        out = model(input_ids=step_input, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=step_input, use_cache=True, **{cache_arg: past})
+        past = getattr(out, cache_arg)
         logits = out.logits[:, -1, :].float() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         nxt = torch.multinomial(logp.exp(), 1, generator=generator)

@@ -8,7 +8,6 @@ log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which 
 from __future__ import annotations
 
 import inspect
-
 from dataclasses import asdict, dataclass
 
 import torch

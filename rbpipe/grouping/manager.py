@@ -14,7 +14,7 @@ from typing import Any
 import multiprocess
 from multiprocess import connection as _mp_connection
 from multiprocess import managers as _mp_managers
-from multiprocess.managers import BaseManager, BaseProxy, RemoteError
+from multiprocess.managers import BaseManager, MakeProxyType, RemoteError
 from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ManagerDiedError
@@ -82,23 +82,10 @@ def _Client(address, family=None, authkey=None):  # noqa: N802 - mirrors multipr
 _mp_managers.listener_client.setdefault(SERIALIZER, (_Listener, _Client))
 
 
-class RegistryProxy(BaseProxy):
-    """Proxy to a :class:`GroupRegistry`; pickles by reference to this module, so the wire above is registered
-    in any process that rebuilds it."""
-
-    _exposed_ = GroupRegistry.exposed
-
-
-def _proxy_method(name: str):
-    def method(self, /, *args, **kwds):
-        return self._callmethod(name, args, kwds)
-
-    method.__name__ = method.__qualname__ = name
-    return method
-
-
-for _name in GroupRegistry.exposed:
-    setattr(RegistryProxy, _name, _proxy_method(_name))
+# Proxy to a GroupRegistry, named in this module so that unpickling it (in any process) imports this module
+# and so registers the wire above.
+RegistryProxy = MakeProxyType("RegistryProxy", GroupRegistry.exposed)
+RegistryProxy.__module__ = __name__
 
 
 class GroupingManager(BaseManager):

@@ -67,8 +67,8 @@ def leaf_tensor(dtype: str, shape: tuple, raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=dt).reshape(shape) if raw else torch.empty(shape, dtype=dt)
 
 
-def decode_td(data: bytes) -> TensorDict:
-    batch_size, leaves = decode_leaves(data)
+def td_from_leaves(batch_size: tuple, leaves: list[tuple]) -> TensorDict:
+    """Inverse of :func:`encode_td` once decoded by :func:`decode_leaves`."""
     td = TensorDict(batch_size=batch_size)
     for key, dtype, shape, raw in leaves:
         if dtype is None:
@@ -76,6 +76,10 @@ def decode_td(data: bytes) -> TensorDict:
             continue
         td.set(key, leaf_tensor(dtype, shape, raw))
     return td
+
+
+def decode_td(data: bytes) -> TensorDict:
+    return td_from_leaves(*decode_leaves(data))
 
 
 _LIVE: "weakref.WeakSet[Staging]" = weakref.WeakSet()

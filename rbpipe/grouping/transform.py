@@ -21,7 +21,7 @@ from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import Staging, decode_leaves, leaf_tensor
+from rbpipe.grouping.staging import Staging, decode_leaves, td_from_leaves
 from rbpipe.schema import REQUIRED_KEYS, validate_trajectory
 
 
@@ -224,13 +224,8 @@ class SharedMCAdvantage(MCAdvantage):
         payloads = [decode_leaves(self.staging.read(handle)) for handle in claim.selected]
         if not self._assemble(claim, payloads):
             claim._members = []
-            for (batch_size, leaves), adv in zip(payloads, claim.advantages):
-                traj = TensorDict(batch_size=batch_size)
-                for key, dtype, shape, raw in leaves:
-                    if dtype is None:
-                        traj.set_non_tensor(key, raw)
-                    else:
-                        traj.set(key, leaf_tensor(dtype, shape, raw))
+            for payload, adv in zip(payloads, claim.advantages):
+                traj = td_from_leaves(*payload)
                 reward = traj.get(self.rewards_key)
                 traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
                 claim._members.append(traj)
@@ -256,7 +251,7 @@ class SharedMCAdvantage(MCAdvantage):
                         or shape[0] != batch_size[0]:
                     return False
             sizes.append(batch_size[0])
-        for i, (key, _, trailing) in enumerate(layout):
+        for key, _, trailing in layout:
             if (key if isinstance(key, tuple) else (key,)) == reward_key:
                 reward_shape = trailing
                 break

@@ -60,6 +60,9 @@ def _add_run(sub) -> None:
     g.add_argument("--max-new-tokens", type=int, default=3, help="response length")
     g.add_argument("--max-policy-lag", type=int, default=4,
                    help="skip groups sampled by a policy more than this many versions old")
+    g.add_argument("--max-lead-groups", type=int,
+                   help="how many prompts collectors may run ahead of the prompts the learner is done with "
+                        "(default: groups-per-step x (max-policy-lag - 1), which keeps data within the lag)")
     g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("loss")
@@ -148,6 +151,7 @@ def _run(args) -> int:
         steps=args.steps if args.steps is not None else RunConfig.steps,
         groups_per_step=args.groups_per_step, lr=args.lr, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
+        max_lead_groups=args.max_lead_groups,
         micro_batches=args.micro_batches, seed=args.seed, loss=loss)
     from rbpipe.loss import LossConfig
 

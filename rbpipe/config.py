@@ -66,6 +66,11 @@ class RunConfig:
         for name in ("steps", "groups_per_step", "max_new_tokens", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_lead_groups is not None and self.max_lead_groups < self.groups_per_step - 1:
+            raise ConfigError(f"--max-lead-groups {self.max_lead_groups} lets collectors run only "
+                              f"{self.max_lead_groups + 1} prompt(s) ahead, fewer than the {self.groups_per_step} "
+                              f"groups a learner step needs, so the run would wait forever; use at least "
+                              f"{self.groups_per_step - 1}")
         if self.lr < 0:
             raise ConfigError(f"--lr must be >= 0, got {self.lr}")
         if self.temperature <= 0:

@@ -19,6 +19,7 @@ from rbpipe.errors import ConfigError
     (dict(candidate_group_size=4, grpo_size=8), "--candidate-group-size"),
     (dict(grouping="fast"), "--grouping"),
     (dict(lr=-1.0), "--lr"),
+    (dict(groups_per_step=8, max_lead_groups=3), "wait forever"),
 ])
 def test_impossible_configs_are_rejected_in_plain_words(kwargs, words):
     with pytest.raises(ConfigError, match=words):

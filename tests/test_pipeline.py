@@ -82,3 +82,21 @@ def test_learner_read_exactly_the_rows_the_collectors_wrote(short_run):
     assert len({g[0] for g in trained}) == len(trained), "a group was trained on twice"
     for gid, members, checksum in trained:
         assert stored[gid] == [gid, members, checksum]
+
+
+@pytest.mark.timeout(300)
+def test_dynamic_sampling_that_drops_most_groups_does_not_stall_the_run(tmp_path):
+    """Dropped groups never reach the learner; the collectors' lead must still advance past them (it used
+    to be measured against trained groups only, so a few more drops than ``lead_groups`` stalled the run)."""
+    run_dir = tmp_path / "run"
+    out = run_cli(RUN + ["--run-dir", str(run_dir), "--steps", "10", "--grpo-size", "4", "--groups-per-step", "2",
+                         "--keep-return-bounds", "0.01", "0.99"], timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lead_groups = 2 * (4 - 1)  # groups_per_step * (max_policy_lag - 1), the default lead
+    assert summary["learner_steps"] == 10
+    assert summary["groups_dropped"] > lead_groups, "the run must drop enough groups to have stalled before"
+    assert summary["conservation_ok"], summary
+    groups = json.loads(run_cli([sys.executable, "-m", "rbpipe.cli", "inspect", str(run_dir / "store"),
+                                 "--json", "--limit", "0"]).stdout)["groups"]
+    assert groups and all(0.01 < sum(g["returns"]) / len(g["returns"]) < 0.99 for g in groups)

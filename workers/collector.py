@@ -17,7 +17,7 @@ from rbpipe.procs import run_worker
 from rbpipe.schema import make_trajectory
 from rbpipe.task import CopyFirstDigitTask
 from rbpipe.weights import SharedWeights
-from workers.control import CONSUMED_GROUPS, RunCounters
+from workers.control import RunCounters
 
 
 def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeights,
@@ -33,8 +33,8 @@ def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeig
         if share == 0:
             time.sleep(0.1)
             continue
-        # flow control: stay at most max_lead_groups prompts ahead of what the learner consumed
-        if index - counters.get(CONSUMED_GROUPS) > cfg.lead_groups:
+        # flow control: stay at most max_lead_groups prompts ahead of what the pipeline is done with
+        if index - counters.resolved_groups() > cfg.lead_groups:
             time.sleep(0.005)
             continue
         if weights.version != version:

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import torch
 
-CONSUMED_GROUPS, LEARNER_STEP, LEARNER_DONE, STALE_TRAJECTORIES, NEXT_PROMPT = 0, 1, 2, 3, 4
+CONSUMED_GROUPS, LEARNER_STEP, LEARNER_DONE, STALE_TRAJECTORIES = 0, 1, 2, 3
+# prompts the pipeline is done with although the learner never trained on them: retired as stale by the
+# learner's sampler (learner-written) and dropped by dynamic sampling (launcher-written, from the grouping stats)
+STALE_GROUPS, DROPPED_GROUPS = 4, 5
 _FIXED = 8
 
 
@@ -59,6 +62,12 @@ class RunCounters:
 
     def rejected(self) -> int:
         return int(self._a[_FIXED + self.collectors:_FIXED + 2 * self.collectors].sum())
+
+    def resolved_groups(self) -> int:
+        """Prompts that left the pipeline: trained on, retired as stale, or dropped. Collectors measure their
+        lead against this, not against trained groups alone: otherwise every stale or dropped group would
+        shrink the allowed lead for good, and enough of them would stall collectors and learner together."""
+        return self.get(CONSUMED_GROUPS) + self.get(STALE_GROUPS) + self.get(DROPPED_GROUPS)
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -30,10 +30,11 @@ from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.weights import SharedWeights, default_weights_dir
 from workers.collector import collector_entry
-from workers.control import LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
+from workers.control import DROPPED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
 from workers.learner import METRICS, learner_entry
 
 CONFIG = "config.json"
+STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
 
 
 @dataclass
@@ -120,11 +121,14 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
         weights = SharedWeights(default_weights_dir(run_dir) / f"rbpipe-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                                 numel, create=True)
         ckpt = run_dir / "checkpoint.pt"
-        if ckpt.exists():
-            import torch
+        version = 0
+        if ckpt.exists():  # collectors must start from the checkpoint's policy *and* its version number, or
+            import torch   # their first groups look older than the resumed learner and are retired as stale
 
-            model.load_state_dict(torch.load(ckpt, weights_only=False)["model"])
-        weights.publish(model, version=0)
+            state = torch.load(ckpt, weights_only=False)
+            model.load_state_dict(state["model"])
+            version = int(state["step"])
+        weights.publish(model, version=version, learner_step=version)
         counters = RunCounters(run_dir / "counters.bin", cfg.collectors, create=resume is None)
         counters.set(LEARNER_DONE, 0)
         session_start = {"produced": counters.produced(), "rejected": counters.rejected(), "rows": rows_before_requeue,
@@ -192,6 +196,8 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
     tail = MetricsTail(run_dir / METRICS)
     last_reward = None
     last_t, last_written = time.time(), 0
+    dropped_before = counters.get(DROPPED_GROUPS)  # this session's manager counts from zero
+    last_step, last_progress, stall_reported = counters.get(LEARNER_STEP), time.time(), False
     try:
         while True:
             time.sleep(0.25)
@@ -225,7 +231,13 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
             except Exception as err:  # noqa: BLE001
                 raise ManagerDiedError(f"the shared-state manager stopped answering ({err}); the run cannot "
                                        f"continue. Resume it with: rbpipe run --resume {run_dir}") from err
+            counters.set(DROPPED_GROUPS, dropped_before + int(stats.get("dropped_groups", 0)))
             now = time.time()
+            if step != last_step:
+                last_step, last_progress, stall_reported = step, now, False
+            elif now - last_progress > STALL_REPORT_S and not stall_reported:
+                log(_stall_report(cfg, counters, stats, now - last_progress))
+                stall_reported = True
             written = int(stats.get("written_groups", 0)) * cfg.grpo_size
             rate = (written - last_written) / max(1e-6, now - last_t)
             last_t, last_written = now, written
@@ -238,6 +250,15 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
         return "interrupted"
     finally:
         bar.close()
+
+
+def _stall_report(cfg: RunConfig, counters: RunCounters, stats: dict, idle_s: float) -> str:
+    """One line that says where a run without learner progress is waiting (printed once per stall)."""
+    cursors = [counters.prompt_cursor(c) for c in range(cfg.collectors)]
+    return (f"no learner step for {idle_s:.0f}s (step {counters.get(LEARNER_STEP)}): collectors at prompts "
+            f"{cursors}, prompts resolved {counters.resolved_groups()} (lead limit {cfg.lead_groups}); groups "
+            f"written {stats.get('written_groups')}, dropped {stats.get('dropped_groups')}, trajectories queued "
+            f"{stats.get('queued_trajectories')}")
 
 
 def _stop_all(workers: list[Worker], timeout: float = 15.0) -> None:

@@ -22,7 +22,8 @@ from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity
 from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY
 from rbpipe.weights import SharedWeights
-from workers.control import CONSUMED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
+from workers.control import (CONSUMED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_GROUPS, STALE_TRAJECTORIES,
+                             RunCounters)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -66,13 +67,13 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
     sampler.consumer_version = step
     weights.publish(model, version=step, learner_step=step)
     counters.set(LEARNER_STEP, step)
-    counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
+    _publish_progress(counters, sampler)
     t0 = time.time()
     recent: list[float] = []
     with open(run_dir / METRICS, "a") as metrics_file:
         while step < cfg.steps and not stop_event.is_set():
             if not sampler.can_sample(storage):
-                counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
+                _publish_progress(counters, sampler)  # stale groups retired while waiting free the collectors
                 time.sleep(0.005)
                 continue
             rows, info = buffer.sample(return_info=True)
@@ -82,8 +83,7 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             sampler.consumer_version = step
             weights.publish(model, version=step, learner_step=step)
             counters.set(LEARNER_STEP, step)
-            counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
-            counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
+            _publish_progress(counters, sampler)
             reward = rows.get(REWARD_KEY).float()
             trained = _group_fingerprints(rows)
             record = {"step": step, "time_s": round(time.time() - t0, 4),
@@ -101,6 +101,13 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             if reached:
                 break
     counters.set(LEARNER_DONE, 1)
+
+
+def _publish_progress(counters: RunCounters, sampler: FreshGroupSampler) -> None:
+    """What the collectors' flow control and the launcher's summary read."""
+    counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
+    counters.set(STALE_GROUPS, sampler.stale_groups)
+    counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
 
 
 def _group_fingerprints(rows) -> list[list[int]]:

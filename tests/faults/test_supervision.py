@@ -175,3 +175,7 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     assert {g["group_id"] for g in committed} <= {g["group_id"] for g in after}
     assert summary["learner_steps"] == 24 and checkpoint["step"] <= 24
     assert summary["conservation_ok"], summary
+    # collectors resume with the checkpoint's policy version, not 0 (which the learner would retire as stale)
+    before = {g["group_id"] for g in committed}
+    resumed_groups = [g for g in after if g["group_id"] not in before]
+    assert resumed_groups and all(min(g["policy_versions"]) > 0 for g in resumed_groups)

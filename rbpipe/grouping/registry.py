@@ -44,8 +44,6 @@ QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_
 _DONE: dict[int, torch.Tensor] = {}  # steps -> done column of a skeleton (only the last step done)
 
 
-
-
 def encode_tensor(t: torch.Tensor) -> tuple[bytes, str, tuple]:
     t = t.detach().cpu().contiguous()
     return t.numpy().tobytes(), str(t.dtype).replace("torch.", ""), tuple(t.shape)
@@ -58,10 +56,20 @@ def decode_tensor(data: bytes, dtype: str, shape: tuple) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=dt).reshape(shape)
 
 
+class _SkeletonMCAdvantage(MCAdvantage):
+    """torchrl's ``MCAdvantage``, fed skeletons only. A skeleton is built concrete (plain tensors, no lazy
+    stack, no non-tensor leaves), so torchrl's per-trajectory materialisation check, a third of the decision's
+    cost, has nothing to do and is skipped."""
+
+    @staticmethod
+    def _concrete_if_possible(tensordict: TensorDict) -> TensorDict:
+        return tensordict
+
+
 class _Shard:
     def __init__(self, options: dict) -> None:
         self.lock = threading.Lock()
-        self.mc = MCAdvantage(prompt_key=_G, rewards_key=_R, advantage_key=_A, done_key=_D, **options)
+        self.mc = _SkeletonMCAdvantage(prompt_key=_G, rewards_key=_R, advantage_key=_A, done_key=_D, **options)
         self.group_ids: dict[Any, int] = {}  # group -> int id used in skeletons, while queued
         self.members: dict[int, list[tuple[int, str, tuple]]] = {}  # int id -> [(hidx, handle, reward enc)]
         self.ids = itertools.count()

@@ -57,7 +57,8 @@ class GroupStorage(Storage):
     def __init__(self, path: str | os.PathLike, *, max_size: int | None = None, max_bytes: int | None = None,
                  ragged_keys: Sequence[NestedKey] = (), group_key: NestedKey = GROUP_KEY,
                  catalog_columns: Mapping[str, tuple[NestedKey, str]] | None = None, create: bool = True,
-                 catalog_every: int = 32, ragged_layout: str = "rows") -> None:
+                 catalog_every: int = 256, catalog_interval_s: float = 5.0,
+                 ragged_layout: str = "rows") -> None:
         if max_size is not None and max_size < 1:
             raise StoreError(f"max_size must be a positive number of rows or None, got {max_size}")
         super().__init__(max_size=UNBOUNDED if max_size is None else max_size)
@@ -65,7 +66,8 @@ class GroupStorage(Storage):
                                ragged_keys=[list(key_tuple(k)) for k in ragged_keys], group_key=group_key,
                                catalog_columns=None if catalog_columns is None else
                                {k: (list(key_tuple(v[0])), v[1]) for k, v in catalog_columns.items()},
-                               create=create, catalog_every=catalog_every, ragged_layout=ragged_layout)
+                               create=create, catalog_every=catalog_every,
+                               catalog_interval_s=catalog_interval_s, ragged_layout=ragged_layout)
         if ragged_layout not in ("rows", "padded"):
             raise StoreError(f"ragged_layout must be 'rows' or 'padded', got {ragged_layout!r}")
         self.ragged_layout = ragged_layout
@@ -78,7 +80,9 @@ class GroupStorage(Storage):
             if red not in ("value", "length"):
                 raise StoreError(f"catalog column {name!r} has reduction {red!r}; use 'value' or 'length'")
         self.catalog_columns = {name: (key_tuple(k), red) for name, (k, red) in cat.items()}
-        self.catalog_every = catalog_every
+        # a parquet file per `catalog_every` groups, or sooner once its oldest row waited `catalog_interval_s`:
+        # few, large files (a flush costs ~10 ms) without letting a slow writer's catalogue fall far behind
+        self.catalog_every, self.catalog_interval_s = catalog_every, catalog_interval_s
         self.meta = create_or_open(self.path, self.backend, create=create,
                                    options={"ragged_keys": self._init_args["ragged_keys"]})
         self._log = CommitLog(self.path / COMMIT_LOG)
@@ -205,7 +209,8 @@ class GroupStorage(Storage):
             return torch.zeros(0, dtype=torch.int64)
         self._pending_catalog.append(rec)
         self._retain()
-        if len(self._pending_catalog) >= self.catalog_every:
+        if (len(self._pending_catalog) >= self.catalog_every
+                or rec["time"] - self._pending_catalog[0]["time"] >= self.catalog_interval_s):
             self.flush_catalog()
         start = self._gindex.start_of(rec["seq"])
         if start is None:  # evicted at once (larger than max_size/max_bytes)

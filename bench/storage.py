@@ -143,11 +143,12 @@ def run(quick: bool) -> list[dict]:
             dt = _timeit(sample, reps)
             results.append({"backend": backend, "workload": workload, "op": "sample", "throughput": n / dt,
                             "seconds_per_call": dt, "rows": n, **extra})
-            if backend in ("arrow", "zarr") and workload == "llm_groups":  # same store, read as padded
-                padded = type(st)(st.path, create=False, ragged_layout="padded")
-                dt = _timeit(lambda: padded.get(draw()), reps)
-                results.append({"backend": f"{backend}-padded", "workload": workload, "op": "sample",
-                                "throughput": n / dt, "seconds_per_call": dt, "rows": n})
+            if backend in ("arrow", "zarr") and workload == "llm_groups":  # same store, other ragged layouts
+                for layout in ("padded", "nested"):
+                    other = type(st)(st.path, create=False, ragged_layout=layout)
+                    dt = _timeit(lambda: other.get(draw()), reps)
+                    results.append({"backend": f"{backend}-{layout}", "workload": workload, "op": "sample",
+                                    "throughput": n / dt, "seconds_per_call": dt, "rows": n})
     return results
 
 

@@ -49,6 +49,9 @@ def writer_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+RAGGED_LAYOUTS = ("rows", "padded", "nested")
+
+
 class GroupStorage(Storage):
     """Base class of :class:`ArrowStorage` and :class:`ZarrStorage` (see their docs)."""
 
@@ -68,8 +71,9 @@ class GroupStorage(Storage):
                                {k: (list(key_tuple(v[0])), v[1]) for k, v in catalog_columns.items()},
                                create=create, catalog_every=catalog_every,
                                catalog_interval_s=catalog_interval_s, ragged_layout=ragged_layout)
-        if ragged_layout not in ("rows", "padded"):
-            raise StoreError(f"ragged_layout must be 'rows' or 'padded', got {ragged_layout!r}")
+        if ragged_layout not in RAGGED_LAYOUTS:
+            raise StoreError(f"ragged_layout must be one of {', '.join(map(repr, RAGGED_LAYOUTS))}, "
+                             f"got {ragged_layout!r}")
         self.ragged_layout = ragged_layout
         self.path = Path(path).absolute()
         self.max_bytes = max_bytes
@@ -345,9 +349,10 @@ class GroupStorage(Storage):
         return out
 
     def get(self, index) -> TensorDictBase:
-        """Rows as a dense TensorDict (no ragged key) or, with ragged keys, a LazyStackedTensorDict of rows
-        (``ragged_layout="rows"``) or a dense TensorDict right-padded with zeros plus each ragged key's
-        per-row length under ``("lengths", *key)`` (``ragged_layout="padded"``, no per-row objects)."""
+        """Rows as a dense TensorDict (no ragged key) or, with ragged keys, depending on ``ragged_layout``:
+        ``"rows"``, a LazyStackedTensorDict of rows; ``"padded"``, a dense TensorDict right-padded with zeros
+        plus each ragged key's per-row length under ``("lengths", *key)``; ``"nested"``, a TensorDict whose
+        ragged keys are jagged ``torch.nested`` tensors (values + offsets, no copy per row, no padding)."""
         rows, scalar = self._rows(index)
         if self._schema is None:
             raise IndexError("the store is empty")
@@ -371,8 +376,12 @@ class GroupStorage(Storage):
             for c in cols:
                 if c.ragged:
                     fixed[c.key], fixed[("lengths", *c.key)] = _pad(data[c.key], c, m)
+        elif self.ragged_layout == "nested":
+            for c in cols:
+                if c.ragged:
+                    fixed[c.key] = _jagged(data[c.key], c, m)
         dense = TensorDict(_nest(fixed), batch_size=[m])
-        if not self._schema.has_ragged or self.ragged_layout == "padded" or m == 0:
+        if not self._schema.has_ragged or self.ragged_layout != "rows" or m == 0:
             return dense
         rows = dense.unbind(0)
         for c in cols:
@@ -491,6 +500,21 @@ def _pad(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> tuple[torch
             i += 1
     lengths = torch.from_numpy(all_shapes[:, 0].copy()) if col.ndim else torch.ones(m, dtype=torch.int64)
     return from_storage_np(out, col.dtype), lengths
+
+
+def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> torch.Tensor:
+    """Ragged parts -> one jagged ``torch.nested`` tensor ``[m, j]`` (one values tensor plus offsets)."""
+    if col.ndim != 1 or col.complex:
+        raise SchemaError(f"ragged_layout='nested' holds 1-D real ragged fields only; {'.'.join(col.key)!r} is "
+                          f"{col.ndim}-D {col.dtype}: open the store with ragged_layout='padded' or 'rows'")
+    values = from_storage_np(np.concatenate([v.reshape(-1) for v, _ in parts]) if parts
+                             else np.zeros(0, col.np_dtype), col.dtype)
+    if m == 0:
+        return values.reshape(0, 0)
+    lengths = torch.from_numpy(np.concatenate([s[:, 0] for _, s in parts]))
+    offsets = torch.zeros(m + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
 def _nest(d: dict) -> dict:

@@ -75,6 +75,34 @@ def test_roundtrip_every_dtype_and_ragged(tmp_path_factory, cls, dtype_idx, size
 
 
 @pytest.mark.parametrize("cls", BACKENDS)
+def test_nested_layout_gives_jagged_tensors_equal_to_the_rows(tmp_path, cls):
+    store = cls(tmp_path / "s", ragged_keys=RAGGED_KEYS)
+    for gid in range(5):
+        store.append_group(llm_group(gid, n=3))
+    idx = torch.randperm(len(store), generator=torch.Generator().manual_seed(0))
+    rows = store.get(idx)
+    nested = cls(tmp_path / "s", create=False, ragged_layout="nested").get(idx)
+    assert type(nested) is TensorDict and nested.batch_size == rows.batch_size
+    for key in rows[0].keys(True, True):
+        col = nested.get(key)
+        if key in [tuple(k) if isinstance(k, tuple) else (k,) for k in RAGGED_KEYS]:
+            assert col.is_nested
+            assert torch.equal(col.offsets().diff(), torch.tensor([rows[k].get(key).shape[0]
+                                                                    for k in range(len(idx))]))
+            for k in range(len(idx)):
+                assert torch.equal(col[k], rows[k].get(key)), key
+        else:
+            assert torch.equal(col, rows.get(key)), key
+
+
+def test_nested_layout_refuses_multidimensional_ragged_fields_in_plain_words(tmp_path):
+    store = ArrowStorage(tmp_path / "s", ragged_keys=[("r",)])
+    store.append_group(lazy_stack([TensorDict(r=torch.zeros(k + 1, 2), batch_size=[]) for k in range(2)], 0))
+    with pytest.raises(SchemaError, match="1-D real ragged fields only"):
+        ArrowStorage(tmp_path / "s", create=False, ragged_layout="nested").get(torch.arange(2))
+
+
+@pytest.mark.parametrize("cls", BACKENDS)
 def test_dense_groups_roundtrip_as_dense(tmp_path, cls):
     s = cls(tmp_path / "s")
     td = TensorDict(obs=torch.randn(5, 4), action=torch.randint(0, 3, (5,)), batch_size=[5])

@@ -123,7 +123,7 @@ class ZarrStorage(GroupStorage):
         r = self._reserved
         if r is None or r["rows"][0] + need_rows > r["rows"][1] or any(
                 r["values"][name][0] + size > r["values"][name][1] for name, size in need_vals.items()):
-            r = self._reserved = self._reserve(cols, need_rows, need_vals)
+            r = self._reserved = self._reserve(need_rows, need_vals)
         row = r["rows"][0]
         r["rows"][0] += need_rows
         vals = {}
@@ -150,7 +150,7 @@ class ZarrStorage(GroupStorage):
     def _alloc_lock(self):
         return _FileLock(self.path / ".alloc.lock")
 
-    def _reserve(self, cols: GroupColumns, need_rows: int, need_vals: dict[str, int]) -> dict:
+    def _reserve(self, need_rows: int, need_vals: dict[str, int]) -> dict:
         """Take the next block of rows and values (fcntl lock, sidecar swapped in with os.replace)."""
         with self._alloc_lock():
             cap = self._chunk_rows * MAX_CHUNKS
@@ -214,7 +214,7 @@ class ZarrStorage(GroupStorage):
         buf = np.zeros((whole, *tail), dtype=arr.dtype.newbyteorder("<"))
         buf[:n] = data
         base = self._zpath / name / "c"
-        suffix = "".join(f"/{0}" for _ in tail)
+        suffix = "/0" * len(tail)  # the chunk index along every unchunked axis
         for k, first in enumerate(range(0, whole, chunk)):
             path = f"{base}/{start // chunk + k}{suffix}"
             try:

@@ -16,9 +16,32 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
+import orjson
+
+
+def _dumps(record: dict) -> bytes:
+    """Compact JSON with sorted keys. orjson writes the same bytes as ``json.dumps`` many times faster (a
+    group's record carries its catalogue lists), except that it writes NaN/Infinity as ``null``: a ``null``
+    that does not read back as the record's own ``None`` sends the record through ``json`` instead, so
+    values round-trip exactly."""
+    try:
+        body = orjson.dumps(record, option=orjson.OPT_SORT_KEYS)
+        if b"null" not in body or orjson.loads(body) == record:
+            return body
+    except TypeError:  # e.g. a key or value orjson does not serialise
+        pass
+    return json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:  # NaN / Infinity tokens, which only json reads
+        return json.loads(body)
+
 
 def encode(record: dict) -> bytes:
-    body = json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
+    body = _dumps(record)
     return b"%08x " % zlib.crc32(body) + body + b"\n"
 
 
@@ -30,7 +53,7 @@ def decode(line: bytes) -> dict | None:
     try:
         if int(line[:8], 16) != zlib.crc32(body):
             return None
-        return json.loads(body)
+        return _loads(body)
     except ValueError:
         return None
 

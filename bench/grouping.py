@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
                     log(results[-1])
     finally:
         manager.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps({"results": results}))
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -76,11 +77,15 @@ def _timeit(fn, reps):
     return sorted(times)[len(times) // 2]
 
 
+_TEMP_DIRS: list[str] = []  # every store this run made; removed when it ends
+
+
 def make_storage(backend: str, workload: str, total: int):
     """A fresh, empty storage of ``backend`` in a new temporary directory."""
     from torchrl.data import LazyMemmapStorage, LazyTensorStorage
     from rbpipe.storage import ArrowStorage, ZarrStorage
     tmp = tempfile.mkdtemp(prefix=f"rbpipe-bench-{backend}-")
+    _TEMP_DIRS.append(tmp)
     if backend == "memmap":
         return LazyMemmapStorage(total, scratch_dir=tmp)
     if backend == "tensor":
@@ -157,7 +162,11 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (< 60 s)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
-    results = run(args.quick)
+    try:
+        results = run(args.quick)
+    finally:
+        for tmp in _TEMP_DIRS:
+            shutil.rmtree(tmp, ignore_errors=True)
     base = {(r["workload"], r["op"]): r["throughput"] for r in results if r["backend"] == "memmap"}
     for r in results:
         r["ratio_vs_memmap"] = r["throughput"] / base[(r["workload"], r["op"])]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 import time
@@ -92,6 +93,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
     rng = random.Random(seed)
     group_size = group_size or rng.randint(2, 8)
     tmp = Path(tempfile.mkdtemp(prefix="rbpipe-stress-"))
+    own_store = store is None
     store = Path(store) if store is not None else tmp / "store"
     shares, produced = _plan(trajectories, group_size, writers, interleave, seed, dynamic_sampling)
     share_paths = []
@@ -181,6 +183,11 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
                         and (kills > 0 or attempted == produced))
     for path in share_paths:
         Path(path).unlink(missing_ok=True)
+    if own_store and report["ok"]:  # a temporary store is kept only when it shows a problem to look at
+        shutil.rmtree(tmp, ignore_errors=True)
+        report["store"] = None
+    elif own_store:
+        report["store_kept_for_inspection"] = True
     return report
 
 

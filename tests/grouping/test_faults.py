@@ -100,3 +100,13 @@ def test_stock_torchrl_grouping_works_across_multiprocess_spawn_writers(tmp_path
     r = run_stress(writers=2, trajectories=48, group_size=4, seed=5, grouping="torchrl", store=tmp_path / "store")
     assert r["ok"], r
     assert r["written"] == r["handed_over"] == 48
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_stress_run_removes_its_temporary_store(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = run_stress(writers=2, trajectories=48, group_size=4, seed=5)
+    assert r["ok"], r
+    assert r["store"] is None and not list(tmp_path.glob("rbpipe-stress-*"))

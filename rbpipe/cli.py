@@ -61,7 +61,8 @@ def _add_run(sub) -> None:
     g.add_argument("--max-policy-lag", type=int, default=4,
                    help="skip groups sampled by a policy more than this many versions old")
     g.add_argument("--max-lead-groups", type=int,
-                   help="how many prompts collectors may run ahead of the prompts the learner is done with "
+                   help="how many prompts collectors may run ahead of the prompts the pipeline is done with "
+                        "(trained on, skipped as stale, or dropped) "
                         "(default: groups-per-step x (max-policy-lag - 1), which keeps data within the lag)")
     g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
     g.add_argument("--seed", type=int, default=0)

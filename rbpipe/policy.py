@@ -7,6 +7,7 @@ log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import asdict, dataclass
 
@@ -69,6 +70,13 @@ def build_learner_actor(model: torch.nn.Module):
 
 
 @torch.no_grad()
+@functools.lru_cache(maxsize=None)
+def _cache_arg(model_cls: type) -> str:
+    """transformers >= 5.x names the KV cache argument ``cache`` (``past_key_values`` warns); older: the latter.
+    Looked up once per model class, not once per prompt."""
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+
+
 def sample_responses(model: torch.nn.Module, prompt: torch.Tensor, num_samples: int, *,
                      max_new_tokens: int = 3, temperature: float = 1.0,
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,8 +88,7 @@ def sample_responses(model: torch.nn.Module, prompt: torch.Tensor, num_samples: 
     seq = prompt.reshape(1, -1).expand(num_samples, -1).clone()
     tokens, log_probs, past = [], [], None
     step_input = seq
-    # transformers >= 5.x names the KV cache argument ``cache`` (``past_key_values`` warns); older: the latter
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = _cache_arg(type(model))
     for _ in range(max_new_tokens):
         out = model(input_ids=step_input, use_cache=True, **{cache_arg: past})
         past = getattr(out, cache_arg)

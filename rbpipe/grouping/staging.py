@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rbpipe.errors import RbpipeError
+from rbpipe.grouping.registry import decode_tensor
 
 
 class StagingError(RbpipeError):
@@ -62,11 +63,6 @@ def decode_leaves(data: bytes) -> tuple[tuple, list[tuple]]:
     return pickle.loads(data)
 
 
-def leaf_tensor(dtype: str, shape: tuple, raw: bytes) -> torch.Tensor:
-    dt = getattr(torch, dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dt).reshape(shape) if raw else torch.empty(shape, dtype=dt)
-
-
 def td_from_leaves(batch_size: tuple, leaves: list[tuple]) -> TensorDict:
     """Inverse of :func:`encode_td` once decoded by :func:`decode_leaves`."""
     td = TensorDict(batch_size=batch_size)
@@ -74,7 +70,7 @@ def td_from_leaves(batch_size: tuple, leaves: list[tuple]) -> TensorDict:
         if dtype is None:
             td.set_non_tensor(key, raw)
             continue
-        td.set(key, leaf_tensor(dtype, shape, raw))
+        td.set(key, decode_tensor(raw, dtype, shape))
     return td
 
 

@@ -260,10 +260,7 @@ class SharedMCAdvantage(MCAdvantage):
         n = sum(sizes)
         group = TensorDict(batch_size=[n])
         for i, (key, dtype, trailing) in enumerate(layout):
-            dt = getattr(torch, dtype)
-            raw = b"".join(leaves[i][3] for _, leaves in payloads)
-            group.set(key, torch.frombuffer(bytearray(raw), dtype=dt).reshape(n, *trailing) if raw
-                      else torch.empty((n, *trailing), dtype=dt))
+            group.set(key, decode_tensor(b"".join(leaves[i][3] for _, leaves in payloads), dtype, (n, *trailing)))
         advs = [decode_tensor(*adv).reshape(size, *reward_shape) for adv, size in zip(claim.advantages, sizes)]
         group.set(self.advantage_key, advs[0] if len(advs) == 1 else torch.cat(advs, 0))
         claim.assembled, claim._sizes = group, sizes

@@ -29,7 +29,7 @@ from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOK
 from rbpipe.storage.commitlog import CommitLog
 from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
 from rbpipe.storage.group_index import GroupIndex
-from rbpipe.storage.layout import GroupColumns, Schema, from_storage_np, key_tuple, take_ragged
+from rbpipe.storage.layout import GroupColumns, Schema, from_storage_np, key_tuple, row_elements, take_ragged
 
 NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
@@ -257,7 +257,7 @@ class GroupStorage(Storage):
                 if red == "length":
                     out[name] = shapes[:, 0].tolist() if shapes.shape[1] else [1] * cols.n
                 else:
-                    sizes = shapes.prod(1) if shapes.shape[1] else np.ones(cols.n, np.int64)
+                    sizes = row_elements(shapes)
                     flat = values.reshape(-1)
                     sizes = sizes * (flat.size // max(int(sizes.sum()), 1))
                     csum = np.concatenate([[0], np.cumsum(flat, dtype=np.float64 if flat.dtype.kind == "f"
@@ -481,8 +481,7 @@ def _pad(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> tuple[torch
     for values, shapes in parts:  # a loop of slice copies: faster than one flat fancy-index scatter
         elems = values.reshape(-1, *trail)
         pos = 0
-        for shape, k in zip(shapes.tolist(), (shapes.prod(1) if col.ndim else np.ones(len(shapes), np.int64)
-                                               ).tolist()):
+        for shape, k in zip(shapes.tolist(), row_elements(shapes).tolist()):
             if col.ndim == 1:
                 out[i, :k] = elems[pos:pos + k]
             else:
@@ -499,8 +498,7 @@ def _ragged_rows(parts: list[tuple[np.ndarray, np.ndarray]], col) -> list[torch.
     out: list[torch.Tensor] = []
     for values, shapes in parts:
         flat = from_storage_np(values.reshape(-1, *trail), col.dtype)
-        sizes = (shapes.prod(1) if col.ndim else np.ones(len(shapes), np.int64)).tolist()
-        pieces = flat.split(sizes)
+        pieces = flat.split(row_elements(shapes).tolist())
         out += pieces if col.ndim == 1 else [t.view(shape) for t, shape in zip(pieces, shapes.tolist())]
     return out
 
@@ -524,11 +522,10 @@ def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> torch.Te
     if col.ndim != 1 or col.complex:
         raise SchemaError(f"ragged_layout='nested' holds 1-D real ragged fields only; {'.'.join(col.key)!r} is "
                           f"{col.ndim}-D {col.dtype}: open the store with ragged_layout='padded' or 'rows'")
-    values = from_storage_np(np.concatenate([v.reshape(-1) for v, _ in parts]) if parts
-                             else np.zeros(0, col.np_dtype), col.dtype)
     if m == 0:
-        return values.reshape(0, 0)
-    lengths = torch.from_numpy(np.concatenate([s[:, 0] for _, s in parts]))
+        return torch.zeros(0, 0, dtype=getattr(torch, col.dtype))
+    values, shapes = _concat(parts)
+    values, lengths = from_storage_np(values.reshape(-1), col.dtype), torch.from_numpy(shapes[:, 0].copy())
     offsets = torch.zeros(m + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return torch.nested.nested_tensor_from_jagged(values, offsets)

@@ -53,10 +53,14 @@ class GroupIndex:
             self._cols["block"][i], self._cols["local"][i] = block_and_local(int(self._cols["seq"][i]))
         self._cache = None
 
+    def _base(self) -> int:
+        """Cumulative rows of the evicted groups (row positions are relative to the first live group)."""
+        return int(self._cols["end"][self._lo - 1]) if self._lo else 0
+
     def _live_rows(self) -> int:
         if self._lo == self._k:
             return 0
-        base = self._cols["end"][self._lo - 1] if self._lo else 0
+        base = self._base()
         return int(self._cols["end"][self._k - 1] - base)
 
     def start_of(self, seq: int) -> int | None:
@@ -65,7 +69,7 @@ class GroupIndex:
         i = int(np.searchsorted(seqs, seq))
         if i == len(seqs) or seqs[i] != seq:
             return None
-        base = self._cols["end"][self._lo - 1] if self._lo else 0
+        base = self._base()
         j = self._lo + i
         return int(self._cols["end"][j] - self._cols["n"][j] - base)
 
@@ -73,7 +77,7 @@ class GroupIndex:
         """(seqs, starts, stops, blocks, local rows) of the live groups, oldest first."""
         if self._cache is None:
             s = slice(self._lo, self._k)
-            base = self._cols["end"][self._lo - 1] if self._lo else 0
+            base = self._base()
             stops = self._cols["end"][s] - base
             self._cache = (self._cols["seq"][s].copy(), stops - self._cols["n"][s], stops,
                            self._cols["block"][s].copy(), self._cols["local"][s].copy())

@@ -111,10 +111,14 @@ class GroupColumns:
     ragged: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
+def row_elements(shapes: np.ndarray) -> np.ndarray:
+    """Elements per row of a ragged column from its ``[rows, ndim]`` shapes (a 0-d row holds one)."""
+    return shapes.prod(1) if shapes.shape[1] else np.ones(len(shapes), np.int64)
+
+
 def ragged_sizes(shapes: np.ndarray, col: "Column") -> np.ndarray:
     """Scalars per row of a ragged column (complex values count two)."""
-    sizes = shapes.prod(1) if col.ndim else np.ones(len(shapes), np.int64)
-    return sizes * (2 if col.complex else 1)
+    return row_elements(shapes) * (2 if col.complex else 1)
 
 
 def take_ragged(values: np.ndarray, shapes: np.ndarray, col: "Column", order: np.ndarray

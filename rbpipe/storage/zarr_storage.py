@@ -19,7 +19,7 @@ import numpy as np
 from rbpipe.errors import StoreError
 from rbpipe.storage.base import GroupStorage
 from rbpipe.storage.format import ZARR_DIR
-from rbpipe.storage.layout import GroupColumns, Schema, ragged_sizes, take_ragged
+from rbpipe.storage.layout import GroupColumns, Schema, ragged_sizes, row_elements, take_ragged
 
 MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chunk count)
 VALUE_CHUNK = 16384
@@ -183,7 +183,7 @@ class ZarrStorage(GroupStorage):
             if c.ragged:
                 values, shapes = cols.ragged[c.key]
                 v0 = vals[c.name]
-                sizes = shapes.prod(1) if c.ndim else np.ones(n, np.int64)
+                sizes = row_elements(shapes)
                 starts = v0 + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
                 if len(values):
                     self._put(c.name + ".values", v0, values)

@@ -1,13 +1,15 @@
 """``ZarrStorage``: the same group store on Zarr v3 arrays (archive / export target, optional backend).
 
-Zarr has no locking and rewrites a whole chunk on a partial write, so: each group gets a row range (and,
-for ragged fields, a value range) allocated under an ``fcntl`` lock and rounded up to whole chunks, so no
-two groups ever share a chunk; arrays are created once with a huge fixed shape (never ``append``/``resize``);
-and the group becomes visible only through its commit-log line, written last.
+Zarr has no locking and rewrites a whole chunk on a partial write, so each writer process reserves whole
+chunks (rows, and values of ragged fields) under an ``fcntl`` lock and fills them with its own groups only:
+no two processes ever share a chunk, and no group straddles a chunk boundary unless it is larger than a
+chunk. Arrays are created once with a huge fixed shape (never ``append``/``resize``), and a group becomes
+visible only through its commit-log line, written last.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -22,9 +24,11 @@ from rbpipe.storage.format import ZARR_DIR
 from rbpipe.storage.layout import GroupColumns, Schema, ragged_sizes, row_elements, take_ragged
 
 MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chunk count)
-VALUE_CHUNK = 16384
-ALLOC_FILE = "zarr_alloc.json"
+VALUE_CHUNK = 2 ** 18  # values per chunk of a ragged field's values array
 RESERVE_GROUPS = 32  # groups' worth of rows/values a writer process reserves per allocator visit
+MAX_CHUNK_BYTES = 8 * 2 ** 20  # row chunks hold RESERVE_GROUPS first-size groups, fewer if rows are wide
+OPEN_CHUNKS = 64  # chunk files a process keeps open (creating or opening a file costs ~0.2 ms)
+ALLOC_FILE = "zarr_alloc.json"
 
 
 class _FileLock:
@@ -55,6 +59,88 @@ def _raw_chunk_rows(arr) -> int:
     return int(arr.chunks[0]) if raw and default_keys and local and whole_rows else 0
 
 
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+def _fit(cursor: int, size: int, chunk: int) -> int:
+    """First position >= ``cursor`` where ``size`` elements stay inside one chunk (or, for more than a
+    chunk's worth, the next chunk boundary): a group is never split across chunks it need not span."""
+    if size > chunk or cursor % chunk + size > chunk:
+        return _round_up(cursor, chunk)
+    return cursor
+
+
+class _RawChunks:
+    """Chunk files of one array written and read in place with ``pwrite``/``preadv``.
+
+    Valid for arrays whose chunks are raw little-endian bytes (``_raw_chunk_rows``): a chunk file is
+    created at its full size (a sparse file of zeros, the fill value) and each group's bytes are written at
+    their offset, so a chunk holds many groups without zarr-python's read-modify-write of whole chunks."""
+
+    def __init__(self, base: Path, chunk: int, tail: tuple, dtype: np.dtype) -> None:
+        self.base, self.chunk, self.tail = base, chunk, tail
+        self.dtype = dtype.newbyteorder("<")
+        self.row_bytes = self.dtype.itemsize * int(np.prod(tail))
+        self.suffix = "/0" * len(tail)  # the chunk index along every unchunked axis
+        self.fds: OrderedDict[tuple[int, bool], int] = OrderedDict()
+
+    def _fd(self, k: int, write: bool) -> int | None:
+        fd = self.fds.get((k, write))
+        if fd is not None:
+            self.fds.move_to_end((k, write))
+            return fd
+        path = f"{self.base}/{k}{self.suffix}"
+        if write:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if os.fstat(fd).st_size < self.chunk * self.row_bytes:
+                os.ftruncate(fd, self.chunk * self.row_bytes)
+        else:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None  # never written: reads as the fill value
+        self.fds[(k, write)] = fd
+        while len(self.fds) > OPEN_CHUNKS:
+            os.close(self.fds.popitem(last=False)[1])
+        return fd
+
+    def _pieces(self, start: int, n: int):
+        """(chunk index, byte offset in it, first row in the data, rows) of the rows ``start..start+n``."""
+        pos = 0
+        while pos < n:
+            k, within = divmod(start + pos, self.chunk)
+            take = min(n - pos, self.chunk - within)
+            yield k, within * self.row_bytes, pos, take
+            pos += take
+
+    def write(self, start: int, data: np.ndarray) -> None:
+        buf = memoryview(np.ascontiguousarray(data, self.dtype)).cast("B")
+        rb = self.row_bytes
+        for k, offset, first, rows in self._pieces(start, len(data)):
+            piece = buf[first * rb:(first + rows) * rb]
+            if os.pwrite(self._fd(k, True), piece, offset) != len(piece):
+                raise OSError(errno.ENOSPC, f"short write to chunk {k} of {self.base.parent.name}")
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        out = np.zeros((n, *self.tail), self.dtype)
+        flat = memoryview(out.reshape(-1)).cast("B")
+        rb = self.row_bytes
+        for k, offset, first, rows in self._pieces(start, n):
+            fd = self._fd(k, False)
+            if fd is not None:
+                os.preadv(fd, [flat[first * rb:(first + rows) * rb]], offset)
+        return out
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.popitem()[1])
+
+
 class ZarrStorage(GroupStorage):
     """A torchrl ``Storage`` of whole groups in a Zarr v3 group (``STORE/data.zarr``); same API as
     :class:`ArrowStorage` (``compact()`` is a no-op). See ``docs/FORMAT.md``."""
@@ -70,7 +156,7 @@ class ZarrStorage(GroupStorage):
         self._cache: OrderedDict[int, dict] = OrderedDict()
         self._cache_bytes: dict[int, int] = {}
         self._cached_total = 0
-        self._raw_chunk_len: dict[str, int] = {}  # array -> rows per chunk, 0 where chunks are not raw bytes
+        self._raw: dict[str, _RawChunks | None] = {}  # array -> in-place chunk access, None if not raw bytes
         self._chunk_rows: int | None = None
         self._reserved, self._reserved_pid = None, os.getpid()
 
@@ -88,11 +174,16 @@ class ZarrStorage(GroupStorage):
             self._arrays[name] = a
         return a
 
-    def _create_arrays(self, chunk_rows: int) -> None:
-        """Once per store, under the allocation lock."""
+    def _create_arrays(self, first_rows: int) -> None:
+        """Once per store, under the allocation lock: a row chunk holds ``RESERVE_GROUPS`` groups the size
+        of the first one (fewer when that would exceed ``MAX_CHUNK_BYTES`` of one column)."""
         g = self._zarr()
         if "__created" in g.attrs:
             return
+        widest = max((int(np.prod(c.shape or ())) * c.np_dtype.itemsize * (2 if c.complex else 1)
+                      for c in self._schema.columns if not c.ragged), default=8)
+        groups = max(1, min(RESERVE_GROUPS, MAX_CHUNK_BYTES // max(1, widest * first_rows)))
+        chunk_rows = first_rows * groups
         cap, vcap = chunk_rows * MAX_CHUNKS, VALUE_CHUNK * MAX_CHUNKS
         for c in self._schema.columns:
             trail = (2,) if c.complex else ()
@@ -110,65 +201,65 @@ class ZarrStorage(GroupStorage):
         g.attrs.update({"__created": True, "chunk_rows": chunk_rows, "value_chunk": VALUE_CHUNK,
                         "schema": self._schema.to_json()})
 
-    def _allocate(self, cols: GroupColumns) -> tuple[int, dict]:
-        """Chunk-aligned row and value ranges for one group, from this process's reserved block.
+    def _value_chunk(self, name: str) -> int:
+        return int(self._arr(name + ".values").chunks[0])
 
-        Under the lock a process reserves room for ``RESERVE_GROUPS`` groups at a time (the sidecar swap
-        costs more than the group's own chunk writes); ranges are never handed out twice, and what a
-        process leaves unused when it stops stays unused (holes read as zeros, no commit points at them).
+    def _allocate(self, cols: GroupColumns) -> tuple[int, dict]:
+        """Row and value positions for one group inside this process's reserved chunks.
+
+        Under the lock a process reserves whole chunks with room for ``RESERVE_GROUPS`` groups (the sidecar
+        swap costs more than the group's own writes); ranges are never handed out twice, and what a process
+        leaves unused when it stops stays unused (it reads as zeros; no commit points at it).
         """
         if self._reserved_pid != os.getpid():
             self._reserved, self._reserved_pid = None, os.getpid()
-        need_rows, need_vals = self._chunked_sizes(cols)
-        r = self._reserved
-        if r is None or r["rows"][0] + need_rows > r["rows"][1] or any(
-                r["values"][name][0] + size > r["values"][name][1] for name, size in need_vals.items()):
-            r = self._reserved = self._reserve(need_rows, need_vals)
-        row = r["rows"][0]
-        r["rows"][0] += need_rows
-        vals = {}
-        for name, size in need_vals.items():
-            vals[name] = r["values"][name][0]
-            r["values"][name][0] += size
-        return row, vals
-
-    def _chunked_sizes(self, cols: GroupColumns) -> tuple[int, dict[str, int]]:
-        """Rows and (per ragged column) values the group occupies, rounded up to whole chunks."""
         if self._chunk_rows is None:
             self._create_arrays_locked(cols.n)
-        rows = -(-cols.n // self._chunk_rows) * self._chunk_rows
-        vals = {c.name: max(1, -(-len(cols.ragged[c.key][0]) // VALUE_CHUNK)) * VALUE_CHUNK
-                for c in self._schema.columns if c.ragged}
-        return rows, vals
+        n = cols.n
+        sizes = {c.name: len(cols.ragged[c.key][0]) for c in self._schema.columns if c.ragged}
+        for _ in range(2):
+            r = self._reserved
+            if r is not None:
+                row = _fit(r["rows"][0], n, self._chunk_rows)
+                vals = {name: _fit(r["values"][name][0], size, self._value_chunk(name))
+                        for name, size in sizes.items()}
+                if row + n <= r["rows"][1] and all(vals[k] + sizes[k] <= r["values"][k][1] for k in sizes):
+                    r["rows"][0] = row + n
+                    for k in sizes:
+                        r["values"][k][0] = vals[k] + sizes[k]
+                    return row, vals
+            self._reserved = self._reserve(n, sizes)
+        raise AssertionError("a fresh reservation always fits the group")
 
-    def _create_arrays_locked(self, chunk_rows: int) -> None:
+    def _create_arrays_locked(self, first_rows: int) -> None:
         with self._alloc_lock():
             self._arrays = None  # re-read the group's attributes: another process may have created the arrays
-            self._create_arrays(chunk_rows)
+            self._create_arrays(first_rows)
         self._chunk_rows = int(self._zarr().attrs["chunk_rows"])
 
     def _alloc_lock(self):
         return _FileLock(self.path / ".alloc.lock")
 
-    def _reserve(self, need_rows: int, need_vals: dict[str, int]) -> dict:
-        """Take the next block of rows and values (fcntl lock, sidecar swapped in with os.replace)."""
+    def _reserve(self, n: int, sizes: dict[str, int]) -> dict:
+        """Take the next whole chunks of rows and values (fcntl lock, sidecar swapped in with os.replace)."""
         with self._alloc_lock():
             cap = self._chunk_rows * MAX_CHUNKS
             path = self.path / ALLOC_FILE
             state = json.loads(path.read_text()) if path.exists() else {"rows": 0, "values": {}}
-            row = state["rows"]
-            take = max(need_rows, RESERVE_GROUPS * need_rows)
-            if row + need_rows > cap:
+            row = _round_up(state["rows"], self._chunk_rows)
+            if row + n > cap:
                 raise StoreError(f"the Zarr store {str(self.path)!r} is full ({cap} rows of space); export to "
                                  "a new store or use the Arrow backend")
-            state["rows"] = min(cap, row + take)
+            state["rows"] = min(cap, row + _round_up(RESERVE_GROUPS * n, self._chunk_rows))
             block = {"rows": [row, state["rows"]], "values": {}}
-            for name, size in need_vals.items():
-                start = state["values"].get(name, 0)
-                if start + size > VALUE_CHUNK * MAX_CHUNKS:
+            for name, size in sizes.items():
+                chunk = self._value_chunk(name)
+                vcap = int(self._arr(name + ".values").shape[0])
+                start = _round_up(state["values"].get(name, 0), chunk)
+                if start + size > vcap:
                     raise StoreError(f"the Zarr store {str(self.path)!r} has no value space left for {name!r}; "
                                      "export to a new store or use the Arrow backend")
-                state["values"][name] = min(VALUE_CHUNK * MAX_CHUNKS, start + max(size, RESERVE_GROUPS * size))
+                state["values"][name] = min(vcap, start + _round_up(max(1, RESERVE_GROUPS * size), chunk))
                 block["values"][name] = [start, state["values"][name]]
             tmp = path.with_name(f".{ALLOC_FILE}.{os.getpid()}")
             tmp.write_text(json.dumps(state))
@@ -195,37 +286,41 @@ class ZarrStorage(GroupStorage):
                 nbytes += cols.fixed[c.key].nbytes
         return {"row": row, "vals": vals}, nbytes
 
+    def _raw_chunks(self, name: str) -> _RawChunks | None:
+        if name not in self._raw:
+            arr = self._arr(name)
+            chunk = _raw_chunk_rows(arr)
+            self._raw[name] = (_RawChunks(self._zpath / name / "c", chunk, tuple(arr.shape[1:]), arr.dtype)
+                               if chunk else None)
+        return self._raw[name]
+
     def _put(self, name: str, start: int, data: np.ndarray) -> None:
-        """Write ``data`` at ``start`` (chunk-aligned, its chunks allocated to this group alone).
+        """Write ``data`` at row ``start`` of array ``name`` (inside chunks reserved by this process).
 
         Our arrays are uncompressed with zarr's default chunk keys, so a chunk *is* its raw little-endian
-        bytes at ``NAME/c/I/0/...`` (Zarr v3 spec, ``bytes`` codec): whole chunks are written as files
-        directly, which costs a file write instead of zarr-python's ~0.5-1 ms per indexing call. Any other
-        array layout (made by another tool) goes through zarr."""
-        arr = self._arr(name)
-        chunk = self._raw_chunk_len.get(name)
-        if chunk is None:
-            chunk = self._raw_chunk_len[name] = _raw_chunk_rows(arr)
-        if not chunk or start % chunk:
-            arr[start:start + len(data)] = data
-            return
-        n, tail = len(data), data.shape[1:]
-        whole = -(-n // chunk) * chunk
-        buf = np.zeros((whole, *tail), dtype=arr.dtype.newbyteorder("<"))
-        buf[:n] = data
-        base = self._zpath / name / "c"
-        suffix = "/0" * len(tail)  # the chunk index along every unchunked axis
-        for k, first in enumerate(range(0, whole, chunk)):
-            path = f"{base}/{start // chunk + k}{suffix}"
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, memoryview(buf[first:first + chunk]).cast("B"))
-            finally:
-                os.close(fd)
+        bytes at ``NAME/c/I/0/...`` (Zarr v3 spec, ``bytes`` codec) and the rows are written in place in the
+        chunk file: a ``pwrite`` instead of zarr-python's ~0.5-1 ms per indexing call. Any other array
+        layout (made by another tool) goes through zarr."""
+        raw = self._raw_chunks(name)
+        if raw is None:
+            self._arr(name)[start:start + len(data)] = data
+        else:
+            raw.write(start, data)
+
+    def _get(self, name: str, start: int, n: int) -> np.ndarray:
+        """Rows ``start..start+n`` of array ``name`` (``preadv`` from the chunk files when they are raw)."""
+        raw = self._raw_chunks(name)
+        return self._arr(name)[start:start + n] if raw is None else raw.read(start, n)
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._raw = {}  # file descriptors are per process (the parent's stay the parent's)
+
+    def _seal(self) -> None:
+        for raw in self._raw.values():
+            if raw is not None:
+                raw.close()
+        self._raw = {}
 
     def _block_id(self, loc: dict, n: int) -> int:
         """Each group is its own block: its first row (``_gather`` then reads and caches whole groups)."""
@@ -239,33 +334,51 @@ class ZarrStorage(GroupStorage):
         if block is None:
             return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
                             else np.zeros((0, *c.shape), c.np_dtype)) for c in self._schema.columns}
-        group = self._cache.get(block)
-        if group is None:
-            group = self._read_group(block, self._group_rows[block])
-        else:
-            self._cache.move_to_end(block)
+        group = self._cached_group(block)
         rows = np.asarray(local_rows, np.int64) - block
         out = {}
         for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
             if c.ragged:
-                out[c.key] = take_ragged(*group[c.key], c, rows)
+                values, shapes, _ = group[c.key]
+                out[c.key] = take_ragged(values, shapes, c, rows)
             else:
                 out[c.key] = group[c.key][rows]
         return out
+
+    def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
+        group = self._cached_group(block)
+        first, stop = first - block, stop - block
+        out = {}
+        for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
+            if c.ragged:
+                values, shapes, offsets = group[c.key]
+                out[c.key] = (values[offsets[first]:offsets[stop]], shapes[first:stop])
+            else:
+                out[c.key] = group[c.key][first:stop]
+        return out
+
+    def _cached_group(self, block: int) -> dict:
+        group = self._cache.get(block)
+        if group is None:
+            return self._read_group(block, self._group_rows[block])
+        self._cache.move_to_end(block)
+        return group
 
     def _read_group(self, row: int, n: int) -> dict:
         group, nbytes = {}, 0
         for c in self._schema.columns:
             if c.ragged:
-                starts = self._arr(c.name + ".start")[row:row + n]
-                shapes = self._arr(c.name + ".shape")[row:row + n]
+                starts = self._get(c.name + ".start", row, n)
+                shapes = self._get(c.name + ".shape", row, n)
                 total = int(ragged_sizes(shapes, c).sum()) // (2 if c.complex else 1)
-                values = (self._arr(c.name + ".values")[int(starts[0]):int(starts[0]) + total] if total
+                values = (self._get(c.name + ".values", int(starts[0]), total) if total
                           else np.zeros((0, *((2,) if c.complex else ())), c.np_dtype))
-                group[c.key] = (values.reshape(-1), shapes)
+                values = values.reshape(-1)  # flat scalars, as Arrow's views (complex: 2 per value)
+                offsets = np.concatenate([[0], np.cumsum(ragged_sizes(shapes, c))])
+                group[c.key] = (values, shapes, offsets)
                 nbytes += values.nbytes
             else:
-                group[c.key] = self._arr(c.name)[row:row + n]
+                group[c.key] = self._get(c.name, row, n)
                 nbytes += group[c.key].nbytes
         self._cache[row] = group
         self._cache_bytes[row] = nbytes

@@ -6,8 +6,9 @@ action, reward, done; written in groups of 64 rows). Ops: ``write`` (whole group
 (16 random whole groups for llm_groups, 256 random rows for rl_rows; warm: the median call after one
 warm-up draw).
 For arrow on rl_rows, ``sample`` is measured after ``compact()`` (and ``sample_uncompacted`` before).
-``arrow-padded``/``zarr-padded`` read the same store with ``ragged_layout="padded"`` (dense zero-padded
-tensors, as the memmap baseline returns them) instead of a lazy stack of rows.
+``arrow``/``zarr`` read ragged fields with the default layout (``"nested"``: one jagged tensor per field);
+``-padded`` reads the same store with ``ragged_layout="padded"`` (dense zero-padded tensors, as the memmap
+baseline returns them) and ``-rows`` with ``ragged_layout="rows"`` (a lazy stack of per-row tensordicts).
 Throughput is rows per second. Nothing is asserted: the figures are reported as measured.
 """
 
@@ -149,7 +150,7 @@ def run(quick: bool) -> list[dict]:
             results.append({"backend": backend, "workload": workload, "op": "sample", "throughput": n / dt,
                             "seconds_per_call": dt, "rows": n, **extra})
             if backend in ("arrow", "zarr") and workload == "llm_groups":  # same store, other ragged layouts
-                for layout in ("padded", "nested"):
+                for layout in ("padded", "rows"):
                     other = type(st)(st.path, create=False, ragged_layout=layout)
                     dt = _timeit(lambda: other.get(draw()), reps)
                     results.append({"backend": f"{backend}-{layout}", "workload": workload, "op": "sample",

@@ -103,9 +103,11 @@ class ArrowStorage(GroupStorage):
         max_size: live rows kept (oldest whole groups are evicted beyond it); None = unbounded.
         max_bytes: same, in bytes of group data.
         ragged_keys: keys whose per-row shape varies (also detected from the first write).
-        ragged_layout: how reads return ragged keys: ``"rows"`` (a LazyStackedTensorDict of rows, the
-            torchrl LLM convention) or ``"padded"`` (dense, zero-padded to the batch's longest row, lengths
-            under ``("lengths", *key)``; several times faster to sample).
+        ragged_layout: how reads return ragged keys: ``"nested"`` (jagged ``torch.nested`` tensors: one values
+            tensor plus offsets per field, no padding; the default when every ragged field is 1-D and real),
+            ``"rows"`` (a LazyStackedTensorDict of rows, torchrl's LLM convention; the default otherwise; use
+            it to index the sampled batch, which nested tensors do not allow along rows) or ``"padded"``
+            (dense, zero-padded to the batch's longest row, lengths under ``("lengths", *key)``).
         group_key: key holding the group id (recorded in the catalogue).
         catalog_columns: catalogue column -> (key, "value" | "length"); default: returns, advantages,
             collectors, policy_versions, lengths (columns whose key is absent are skipped).
@@ -121,6 +123,7 @@ class ArrowStorage(GroupStorage):
         self._blocks: dict[tuple, int] = {}
         self._block_locs: list[tuple] = []
         self._views: dict[int, dict] = {}
+        self._wholes: dict[int, tuple[int, dict]] = {}  # block -> (rows, its columns as _slice returns them)
         self._pschema = None
         self._wfd = -1
         self._wname = None
@@ -162,7 +165,7 @@ class ArrowStorage(GroupStorage):
         super()._after_fork()
         self._wfd = -1  # the parent's segment stays the parent's
         self._segments = {}
-        self._views = {}
+        self._views, self._wholes = {}, {}
 
     def _writer_name(self) -> str:
         return self._wname or super()._writer_name()
@@ -224,6 +227,7 @@ class ArrowStorage(GroupStorage):
                 data_buf = col.buffers()[1] if not trail else col.buffers()[2]
                 v[c.key] = arr(data_buf, c.np_dtype, n * width).reshape(n, *trail)
                 i += 1
+        v["__rows__"] = n
         self._views[block] = v
         return v
 
@@ -233,25 +237,37 @@ class ArrowStorage(GroupStorage):
             return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
                             else np.zeros((0, *c.shape), c.np_dtype)) for c in self._schema.columns}
         v = self._view(block)
+        rows = np.asarray(local_rows)
+        if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (len(rows) == 1 or (np.diff(rows) == 1).all()):
+            return self._slice(block, int(rows[0]), int(rows[-1]) + 1, keys)
         out = {}
-        contiguous = len(local_rows) > 0 and local_rows[-1] - local_rows[0] == len(local_rows) - 1 and (
-            len(local_rows) == 1 or (np.diff(local_rows) == 1).all())
-        first, last = (int(local_rows[0]), int(local_rows[-1]) + 1) if contiguous else (0, 0)
         for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
             if c.ragged:
-                values, offsets, shapes = v[c.key]
-                if contiguous:  # whole groups: one slice, no per-row work
-                    out[c.key] = (values[offsets[first]:offsets[last]], shapes[first:last])
-                else:
-                    out[c.key] = take_ragged(values, shapes, c, local_rows)
-            elif contiguous:
-                out[c.key] = v[c.key][first:last]
+                values, _, shapes = v[c.key]
+                out[c.key] = take_ragged(values, shapes, c, rows)
             else:
-                out[c.key] = v[c.key][local_rows]
+                out[c.key] = v[c.key][rows]
+        return out
+
+    def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
+        whole = first == 0 and keys is None
+        if whole and block in self._wholes and stop == self._wholes[block][0]:
+            return self._wholes[block][1]  # a whole batch (one group): sliced once, then reused
+        v = self._view(block)
+        out = {}
+        for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
+            if c.ragged:  # whole groups: one slice, no per-row work
+                values, offsets, shapes = v[c.key]
+                out[c.key] = (values[offsets[first]:offsets[stop]], shapes[first:stop])
+            else:
+                out[c.key] = v[c.key][first:stop]
+        if whole and stop == v["__rows__"]:
+            self._wholes[block] = (stop, out)
         return out
 
     def _on_move(self, rec: dict) -> None:
         self._views = {b: v for b, v in self._views.items() if self._block_locs[b][0] != rec.get("from")}
+        self._wholes = {b: v for b, v in self._wholes.items() if b in self._views}
 
     # -- maintenance --------------------------------------------------------------------------------------
     def check_tail(self) -> dict:
@@ -335,7 +351,7 @@ class ArrowStorage(GroupStorage):
             for seg in old - live:
                 (self._seg_dir / (seg + SEALED)).unlink(missing_ok=True)
                 self._segments.pop(seg, None)
-            self._views = {}
+            self._views, self._wholes = {}, {}
             return len(moves)
         finally:
             os.close(lock_fd)

@@ -31,6 +31,11 @@ from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
 from rbpipe.storage.group_index import GroupIndex
 from rbpipe.storage.layout import GroupColumns, Schema, from_storage_np, key_tuple, row_elements, take_ragged
 
+try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
+    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (~4x cheaper per call)
+except ImportError:  # a torch that moved it: the public constructor
+    _NestedTensor = None
+
 NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
 
@@ -61,7 +66,7 @@ class GroupStorage(Storage):
                  ragged_keys: Sequence[NestedKey] = (), group_key: NestedKey = GROUP_KEY,
                  catalog_columns: Mapping[str, tuple[NestedKey, str]] | None = None, create: bool = True,
                  catalog_every: int = 256, catalog_interval_s: float = 5.0,
-                 ragged_layout: str = "rows") -> None:
+                 ragged_layout: str | None = None) -> None:
         if max_size is not None and max_size < 1:
             raise StoreError(f"max_size must be a positive number of rows or None, got {max_size}")
         super().__init__(max_size=UNBOUNDED if max_size is None else max_size)
@@ -71,10 +76,10 @@ class GroupStorage(Storage):
                                {k: (list(key_tuple(v[0])), v[1]) for k, v in catalog_columns.items()},
                                create=create, catalog_every=catalog_every,
                                catalog_interval_s=catalog_interval_s, ragged_layout=ragged_layout)
-        if ragged_layout not in RAGGED_LAYOUTS:
+        if ragged_layout is not None and ragged_layout not in RAGGED_LAYOUTS:
             raise StoreError(f"ragged_layout must be one of {', '.join(map(repr, RAGGED_LAYOUTS))}, "
                              f"got {ragged_layout!r}")
-        self.ragged_layout = ragged_layout
+        self._layout_asked = ragged_layout
         self.path = Path(path).absolute()
         self.max_bytes = max_bytes
         self.ragged_keys = tuple(key_tuple(k) for k in ragged_keys)
@@ -166,6 +171,16 @@ class GroupStorage(Storage):
         self._refresh()
         seqs, starts, stops = self._index()[:3]
         return torch.from_numpy(np.stack([seqs, starts, stops], 1) if len(seqs) else np.zeros((0, 3), np.int64))
+
+    @property
+    def ragged_layout(self) -> str:
+        """The layout reads use: as asked, else ``"nested"`` when every ragged field is 1-D and real (the one
+        that samples at memmap speed: one values tensor and offsets per field), else ``"rows"``."""
+        if self._layout_asked is not None:
+            return self._layout_asked
+        if self._schema is None:
+            return "nested"
+        return "nested" if all(c.ndim == 1 and not c.complex for c in self._schema.columns if c.ragged) else "rows"
 
     @property
     def schema(self) -> Schema | None:
@@ -323,10 +338,12 @@ class GroupStorage(Storage):
         if rows.size == 0:
             parts, inv = [self._gather(None, loc)], None
         else:
-            cuts = np.flatnonzero(np.diff(blk)) + 1  # runs of rows in one block, in the order asked for
-            if len(cuts) < 64:  # e.g. whole groups: one gather per group, nothing to reorder
-                parts = [self._gather(int(blk[s]), loc[s:e])
-                         for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(rows)])]
+            # runs of consecutive rows of one block (e.g. whole groups): one slice per column each
+            runs = np.flatnonzero((np.diff(blk) != 0) | (np.diff(loc) != 1)) + 1
+            if len(runs) < 64:
+                first, last = np.concatenate(([0], runs)), np.concatenate((runs, [len(rows)])) - 1
+                parts = [self._slice(b, a, z + 1)
+                         for b, a, z in zip(blk[first].tolist(), loc[first].tolist(), loc[last].tolist())]
                 inv = None
             else:  # scattered rows: one gather per block, then back to the order asked for
                 order = np.argsort(blk, kind="stable")
@@ -350,9 +367,10 @@ class GroupStorage(Storage):
 
     def get(self, index) -> TensorDictBase:
         """Rows as a dense TensorDict (no ragged key) or, with ragged keys, depending on ``ragged_layout``:
-        ``"rows"``, a LazyStackedTensorDict of rows; ``"padded"``, a dense TensorDict right-padded with zeros
-        plus each ragged key's per-row length under ``("lengths", *key)``; ``"nested"``, a TensorDict whose
-        ragged keys are jagged ``torch.nested`` tensors (values + offsets, no copy per row, no padding)."""
+        ``"nested"`` (the default where possible), a TensorDict whose ragged keys are jagged ``torch.nested``
+        tensors (values + offsets, no copy per row, no padding); ``"rows"``, a LazyStackedTensorDict of rows;
+        ``"padded"``, a dense TensorDict right-padded with zeros plus each ragged key's per-row length under
+        ``("lengths", *key)``."""
         rows, scalar = self._rows(index)
         if self._schema is None:
             raise IndexError("the store is empty")
@@ -367,21 +385,22 @@ class GroupStorage(Storage):
         return td[0] if scalar else td
 
     def _to_td(self, data: dict, m: int) -> TensorDictBase:
-        """Columns -> TensorDict. In the rows layout each row TensorDict is assembled directly from per-row
-        views (``unbind`` of each fixed column, ``split`` of each ragged part), without validation: building
-        them through ``TensorDict.unbind`` and per-row ``set`` cost about 25 us a row and dominated sampling."""
+        """Columns -> TensorDict, assembled without validation (shapes and dtypes come from the store's
+        schema): ``TensorDict(...)`` checks every leaf, and in the rows layout ``unbind`` plus per-row ``set``
+        cost about 25 us a row, which dominated sampling."""
         cols = self._schema.columns
+        layout = self.ragged_layout
         fixed = {c.key: from_storage_np(data[c.key], c.dtype) for c in cols if not c.ragged}
-        if self.ragged_layout == "padded":
+        if layout == "padded":
             for c in cols:
                 if c.ragged:
                     fixed[c.key], fixed[("lengths", *c.key)] = _pad(data[c.key], c, m)
-        elif self.ragged_layout == "nested":
+        elif layout == "nested":
             for c in cols:
                 if c.ragged:
                     fixed[c.key] = _jagged(data[c.key], c, m)
-        if not self._schema.has_ragged or self.ragged_layout != "rows" or m == 0:
-            return TensorDict(_nest(fixed), batch_size=[m])
+        if not self._schema.has_ragged or layout != "rows" or m == 0:
+            return _dense_td(_nest(fixed), torch.Size([m]))
         per_row = {key: t.unbind(0) for key, t in fixed.items()}
         for c in cols:
             if c.ragged:
@@ -462,6 +481,9 @@ class GroupStorage(Storage):
         """Id of the unit ``_gather`` reads from (a record batch, a group...) for a group at ``loc``."""
     def _write_group(self, cols: GroupColumns) -> tuple[dict, int]: ...
     def _gather(self, block: int | None, local_rows: np.ndarray, keys=None) -> dict: ...
+    def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
+        """Columns of the consecutive rows ``first..stop`` of one block (backends override it with views)."""
+        return self._gather(block, np.arange(first, stop), keys)
 
 
 def _concat(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -525,10 +547,17 @@ def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> torch.Te
     if m == 0:
         return torch.zeros(0, 0, dtype=getattr(torch, col.dtype))
     values, shapes = _concat(parts)
-    values, lengths = from_storage_np(values.reshape(-1), col.dtype), torch.from_numpy(shapes[:, 0].copy())
+    values, lengths = from_storage_np(values.reshape(-1), col.dtype), torch.from_numpy(shapes[:, 0])
     offsets = torch.zeros(m + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return _NestedTensor(values, offsets) if _NestedTensor is not None else (
+        torch.nested.nested_tensor_from_jagged(values, offsets))
+
+
+def _dense_td(tree: dict, batch_size: torch.Size) -> TensorDict:
+    """``{name: tensor | subtree}`` -> a TensorDict, unvalidated (every leaf comes from the schema)."""
+    return TensorDict._new_unsafe({k: _dense_td(v, batch_size) if isinstance(v, dict) else v
+                                   for k, v in tree.items()}, batch_size, nested=False)
 
 
 def _nest(d: dict) -> dict:

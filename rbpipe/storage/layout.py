@@ -77,22 +77,17 @@ class Column:
     dtype: str  # torch dtype name
     shape: tuple[int, ...] | None  # trailing shape of fixed columns; None when ragged
     ndim: int  # trailing ndim (ragged rows keep it)
+    # derived once: they are read per column per group on the sampling hot path
+    name: str = field(init=False, repr=False, compare=False)
+    ragged: bool = field(init=False, repr=False, compare=False)
+    np_dtype: np.dtype = field(init=False, repr=False, compare=False)
+    complex: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def name(self) -> str:
-        return column_name(self.key)
-
-    @property
-    def ragged(self) -> bool:
-        return self.shape is None
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return _BY_NAME[self.dtype][1]
-
-    @property
-    def complex(self) -> bool:
-        return self.dtype.startswith("complex")
+    def __post_init__(self) -> None:
+        self.name = column_name(self.key)
+        self.ragged = self.shape is None
+        self.np_dtype = _BY_NAME[self.dtype][1]
+        self.complex = self.dtype.startswith("complex")
 
     def to_json(self) -> dict:
         return {"key": list(self.key), "column": self.name, "dtype": self.dtype,
@@ -188,6 +183,12 @@ class Schema:
         for key in _leaf_keys(td):
             if rows is None:
                 t = td.get(key)
+                if t.is_nested:  # a jagged tensor [n, j] (the "nested" read layout): ragged by definition
+                    cols.append(Column(key, _DTYPES.get(t.dtype, ("?",))[0], None, t.dim() - 1))
+                    if t.dtype not in _DTYPES:
+                        raise SchemaError(f"key {column_name(key)!r} has dtype {t.dtype}, which the store "
+                                          f"cannot hold; cast it to one of {sorted(n for n, _ in _DTYPES.values())}")
+                    continue
                 shapes = {tuple(t.shape[1:])}
                 dtype = t.dtype
             else:
@@ -228,6 +229,9 @@ class Schema:
             if rows is None or not c.ragged:
                 if rows is None:
                     t = leaves[0][c.key]
+                    if t.is_nested:
+                        out.ragged[c.key] = self._split_jagged(c, t)
+                        continue
                 else:
                     try:
                         t = torch.stack([lv[c.key] for lv in leaves])
@@ -253,6 +257,20 @@ class Schema:
                 shapes = np.asarray([tuple(t.shape) for t in ts], dtype=np.int64).reshape(len(ts), c.ndim)
                 out.ragged[c.key] = (to_storage_np(flat).reshape((-1, 2) if c.complex else -1), shapes)
         return out
+
+    def _split_jagged(self, c: Column, t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """A jagged ``torch.nested`` leaf -> (flat values, shapes): what a store read with
+        ``ragged_layout="nested"`` returns can be written back as it is."""
+        if not c.ragged:
+            raise SchemaError(f"key {c.name!r} is a nested (jagged) tensor but the store holds it with fixed "
+                              f"shape {c.shape}; write dense rows, or a store that declares it in ragged_keys")
+        self._check(c, t.dtype, None, t.dim() - 1)
+        if t.dim() != 2:
+            raise SchemaError(f"key {c.name!r}: only [rows, j] jagged tensors can be written; got {t.dim()}-D")
+        offsets = t.offsets()
+        shapes = (offsets[1:] - offsets[:-1]).numpy().reshape(-1, 1).astype(np.int64)
+        values = t.values()[int(offsets[0]):int(offsets[-1])]
+        return to_storage_np(values).reshape((-1, 2) if c.complex else -1), shapes
 
     @staticmethod
     def _check(c: Column, dtype: torch.dtype, shape, ndim: int) -> None:

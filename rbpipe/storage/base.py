@@ -331,6 +331,10 @@ class GroupStorage(Storage):
         """Columns of ``rows``: fixed ones as one array, ragged ones as a list of (flat values, shapes)
         parts in row order. Parts are views of the mapped segments where possible: concatenating them
         here would allocate (and page-fault in) a fresh buffer on every sample."""
+        one = self._gindex.one_block()
+        if one is not None and rows.size:  # a compacted store: one gather, no per-row block lookup
+            parts = [self._gather(one[0], rows + one[1])]
+            return {c.key: [p[c.key] for p in parts] if c.ragged else parts[0][c.key] for c in self._schema.columns}
         seqs, starts, stops, blocks, local = self._index()
         g = np.searchsorted(stops, rows, side="right")
         blk = blocks[g]
@@ -345,6 +349,8 @@ class GroupStorage(Storage):
                 parts = [self._slice(b, a, z + 1)
                          for b, a, z in zip(blk[first].tolist(), loc[first].tolist(), loc[last].tolist())]
                 inv = None
+            elif (blk == blk[0]).all():  # scattered rows of one block (a compacted store): one gather
+                parts, inv = [self._gather(int(blk[0]), loc)], None
             else:  # scattered rows: one gather per block, then back to the order asked for
                 order = np.argsort(blk, kind="stable")
                 sorted_blk = blk[order]
@@ -396,9 +402,10 @@ class GroupStorage(Storage):
                 if c.ragged:
                     fixed[c.key], fixed[("lengths", *c.key)] = _pad(data[c.key], c, m)
         elif layout == "nested":
+            offsets: dict[bytes, torch.Tensor] = {}  # fields with equal row lengths share one ragged dim
             for c in cols:
                 if c.ragged:
-                    fixed[c.key] = _jagged(data[c.key], c, m)
+                    fixed[c.key] = _jagged(data[c.key], c, m, offsets)
         if not self._schema.has_ragged or layout != "rows" or m == 0:
             return _dense_td(_nest(fixed), torch.Size([m]))
         per_row = {key: t.unbind(0) for key, t in fixed.items()}
@@ -539,17 +546,25 @@ def _row_tensordicts(tree: dict, m: int) -> list[TensorDict]:
     return [new(dict(zip(names, row)), _NO_BATCH, nested=False) for row in zip(*columns)]
 
 
-def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> torch.Tensor:
-    """Ragged parts -> one jagged ``torch.nested`` tensor ``[m, j]`` (one values tensor plus offsets)."""
+def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int,
+            offsets_by_lengths: dict[bytes, torch.Tensor]) -> torch.Tensor:
+    """Ragged parts -> one jagged ``torch.nested`` tensor ``[m, j]`` (one values tensor plus offsets).
+
+    Fields whose rows have equal lengths (tokens and their log-probs) get the very same offsets tensor, so
+    they share one ragged dimension: ``a * b`` works across them, and the second NJT is cheaper to build."""
     if col.ndim != 1 or col.complex:
         raise SchemaError(f"ragged_layout='nested' holds 1-D real ragged fields only; {'.'.join(col.key)!r} is "
                           f"{col.ndim}-D {col.dtype}: open the store with ragged_layout='padded' or 'rows'")
     if m == 0:
         return torch.zeros(0, 0, dtype=getattr(torch, col.dtype))
     values, shapes = _concat(parts)
-    values, lengths = from_storage_np(values.reshape(-1), col.dtype), torch.from_numpy(shapes[:, 0])
-    offsets = torch.zeros(m + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
+    values = from_storage_np(values.reshape(-1), col.dtype)
+    lengths = np.ascontiguousarray(shapes[:, 0])
+    offsets = offsets_by_lengths.get(lengths.tobytes())
+    if offsets is None:
+        offsets = torch.zeros(m + 1, dtype=torch.int64)
+        torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
+        offsets_by_lengths[lengths.tobytes()] = offsets
     return _NestedTensor(values, offsets) if _NestedTensor is not None else (
         torch.nested.nested_tensor_from_jagged(values, offsets))
 

@@ -27,6 +27,7 @@ class GroupIndex:
         self._lo = 0  # first live group
         self.rows = 0  # live rows
         self._cache = None
+        self._one = None
 
     def append(self, seq: int, n: int, block: int, local: int) -> None:
         if self._k == len(self._cols["seq"]):
@@ -76,12 +77,22 @@ class GroupIndex:
     def arrays(self) -> tuple[np.ndarray, ...]:
         """(seqs, starts, stops, blocks, local rows) of the live groups, oldest first."""
         if self._cache is None:
+            self._one = None
             s = slice(self._lo, self._k)
             base = self._base()
             stops = self._cols["end"][s] - base
             self._cache = (self._cols["seq"][s].copy(), stops - self._cols["n"][s], stops,
                            self._cols["block"][s].copy(), self._cols["local"][s].copy())
         return self._cache
+
+    def one_block(self) -> tuple[int, int] | None:
+        """``(block, offset)`` when every live row ``r`` sits at local row ``r + offset`` of one block (a
+        compacted store), else None: sampling then skips the per-row block lookup."""
+        _, starts, _, blocks, local = self.arrays()  # (re)computed after any change, which resets _one
+        if self._one is None:
+            single = len(blocks) > 0 and (blocks == blocks[0]).all() and (local - starts == local[0]).all()
+            self._one = (int(blocks[0]), int(local[0])) if single else False
+        return self._one or None
 
     def __len__(self) -> int:
         return self._k - self._lo

@@ -108,6 +108,26 @@ def test_compact_keeps_data_and_serves_rows(tmp_path):
     assert s2.get(slice(None))["obs"][:, 0].tolist() == [float(g) for g in range(6) for _ in range(3)] + [9.0] * 3
 
 
+def test_sampling_after_compaction_and_eviction_returns_the_live_rows(tmp_path):
+    s = ArrowStorage(tmp_path / "s", max_size=12)
+
+    def check(groups):  # every live row, in random order, is the one of its group
+        want = torch.tensor([float(g) for g in groups for _ in range(3)])
+        idx = torch.randperm(len(want))
+        assert len(s) == len(want)
+        assert torch.equal(s.get(idx)["obs"][:, 0], want[idx])
+
+    for g in range(6):
+        s.append_group(TensorDict(obs=torch.full((3, 2), float(g)), batch_size=[3]))
+    check([2, 3, 4, 5])
+    s.compact()  # one block
+    check([2, 3, 4, 5])
+    s.append_group(TensorDict(obs=torch.full((3, 2), 6.0), batch_size=[3]))
+    check([3, 4, 5, 6])  # the compacted block minus its evicted head, plus a new one
+    s.compact()
+    check([3, 4, 5, 6])
+
+
 def test_writer_lock(tmp_path):
     lock = WriterLock(tmp_path)
     with lock:

@@ -80,9 +80,9 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
             f"expected a TensorDict trajectory, got {type(td).__name__}; build it with "
             "rbpipe.schema.make_trajectory(...)"
         )
-    present = set(td.keys(True, True))
-    missing = [k for k in required if k not in present]
+    missing = [k for k in required if td.get(k, None) is None]  # a lookup each: no walk of every key
     if missing:
+        present = set(td.keys(True, True))
         names = ", ".join(_key_name(k) for k in missing)
         have = ", ".join(sorted(_key_name(k) for k in present))
         raise BadTrajectoryError(

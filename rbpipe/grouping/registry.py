@@ -41,6 +41,7 @@ STAT_NAMES = ("completed_trajectories", "completed_decisions", "trajectory_retur
 DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_trajectories",
             "unselected_trajectories")
 QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
+_STAT_SET = frozenset(STAT_NAMES)
 _DONE: dict[int, torch.Tensor] = {}  # steps -> done column of a skeleton (only the last step done)
 
 
@@ -56,6 +57,19 @@ def decode_tensor(data: bytes, dtype: str, shape: tuple) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=dt).reshape(shape)
 
 
+class _Skeleton(TensorDict):
+    """A skeleton trajectory. torchrl reads one step of it twice per decision (``td[-1]``, ``td[0]``); the
+    general TensorDict indexing path cost a third of a decision, an integer step is a dict of row views."""
+
+    def __getitem__(self, index):
+        if type(index) is int:
+            return TensorDict._new_unsafe({k: v[index] for k, v in self._tensordict.items()}, _NO_BATCH)
+        return super().__getitem__(index)
+
+
+_NO_BATCH = torch.Size([])
+
+
 class _SkeletonMCAdvantage(MCAdvantage):
     """torchrl's ``MCAdvantage``, fed skeletons only. A skeleton is built concrete (plain tensors, no lazy
     stack, no non-tensor leaves), so torchrl's per-trajectory materialisation check, a third of the decision's
@@ -64,6 +78,18 @@ class _SkeletonMCAdvantage(MCAdvantage):
     @staticmethod
     def _concrete_if_possible(tensordict: TensorDict) -> TensorDict:
         return tensordict
+
+    def __setattr__(self, name: str, value) -> None:
+        # Counters are properties (torchrl's _set_stat): nn.Module.__setattr__'s parameter/buffer/submodule
+        # checks before reaching them cost ~10% of a decision, several times per trajectory.
+        if name in _STAT_SET:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @staticmethod
+    def _cat_tensordicts(tensordicts: list[TensorDict], dim: int = 0) -> TensorDict:
+        return torch.cat(tensordicts, dim)  # skeletons are concrete: torchrl's per-member check is moot
 
 
 class _Shard:
@@ -111,7 +137,7 @@ class GroupRegistry:
             done = torch.zeros(steps, 1, dtype=torch.bool)
             done[-1] = True
             _DONE[steps] = done
-        return TensorDict._new_unsafe({_G: torch.full((steps,), gid, dtype=torch.int64), _R: r, _D: done,
+        return _Skeleton._new_unsafe({_G: torch.full((steps,), gid, dtype=torch.int64), _R: r, _D: done,
                                        _H: torch.full((steps,), hidx, dtype=torch.int64)},
                                       batch_size=torch.Size([steps]))
 

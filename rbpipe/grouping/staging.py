@@ -1,13 +1,15 @@
 """Staging area: where a trajectory's payload waits on disk until its group is complete.
 
-The payload is written once, by the process that produced it; only its handle (a file name) crosses the
-manager. Files are written completely before the handle is registered, so a writer killed while staging
-leaves at most an unregistered file (never a registered, half-written one).
+The payload is written once, by the process that produced it; only its handle (a path relative to the
+staging directory) crosses the manager. Files are written completely before the handle is registered, so a
+writer killed while staging leaves at most an unregistered file (never a registered, half-written one).
 
-Creating a file costs ~70 us on ext4 (inode allocation), so a process renames the payload files it deletes
-to ``.free-PID-...`` (at most ``Staging.POOL``) and ``put`` rewrites one of those and renames it to the new
-handle, and a process keeps the payloads it staged last in memory (``Staging.RECENT``) so completing a group
-does not read its own members back.
+Each process stages into its own subdirectory (``<pid>-<rand>/<n>.td``): creating, renaming and unlinking
+entries of one directory from several processes serialise on that directory's lock. Creating a file costs
+~70 us on ext4 (inode allocation), so a deleted payload file is renamed to ``.free-...`` in its *owner's*
+subdirectory (whoever deletes it: the process completing a group deletes the members of every writer), and
+``put`` rewrites one of those and renames it to the new handle. A process also keeps the payloads it staged
+last in memory (``Staging.RECENT``) so completing a group does not read its own members back.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ class Staging:
     #: Prefix of released payload files kept for reuse (``.free-PID-...``): not payloads, never read.
     FREE = ".free-"
     POOL = 256
+    #: Puts that found no released file of their own before the subdirectory is scanned for files that
+    #: other processes released into it.
+    RESCAN_EVERY = 16
     #: Payloads this process staged last, kept in memory so completing a group need not read them back.
     RECENT = 256
     RECENT_MAX_BYTES = 32 << 20  # payloads over RECENT_MAX_BYTES / RECENT are not kept
@@ -126,25 +131,44 @@ class Staging:
         self.__init__(state["path"])
 
     def _own(self) -> str:
-        """This process's file name prefix (a forked child gets its own, and not the parent's free files)."""
+        """This process's subdirectory name (a forked child gets its own, and not the parent's free files)."""
         pid = os.getpid()
         if self._pid != pid:
-            self._pid, self._prefix, self._free = pid, f"{pid}-{uuid.uuid4().hex[:8]}", []
+            prefix = f"{pid}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.mkdir(os.path.join(self._dir, prefix))
+            except OSError as err:
+                raise StagingError(f"cannot create a staging subdirectory in {self.path}: {err}. Free disk "
+                                   "space or check permissions") from err
+            self._pid, self._prefix, self._free, self._misses = pid, prefix, [], 0
         return self._prefix
 
     def _new_handle(self) -> str:
-        return f"{self._own()}-{next(self._counter)}{self.SUFFIX}"
+        return f"{self._own()}/{next(self._counter)}{self.SUFFIX}"
+
+    def _take_free(self) -> str | None:
+        """A released payload file of this process's subdirectory to rewrite, or None."""
+        try:
+            return self._free.pop()  # list.pop is atomic: threads never get the same file
+        except IndexError:
+            pass
+        self._misses += 1
+        if self._misses < self.RESCAN_EVERY:
+            return None
+        self._misses = 0  # files other processes released into our subdirectory since we last looked
+        own = os.path.join(self._dir, self._prefix)
+        with os.scandir(own) as it:
+            self._free.extend(e.path for e in it if e.name.startswith(self.FREE))
+        return self._free.pop() if self._free else None
 
     def put(self, td: TensorDictBase) -> str:
         handle = self._new_handle()
         data = encode_td(td)
         target = os.path.join(self._dir, handle)
         try:
-            while True:  # reuse a file this process released: no inode allocation (~50 us on ext4)
-                try:
-                    free = self._free.pop()
-                except IndexError:  # none left (list.pop is atomic: threads never get the same file)
-                    free = None
+            while True:  # reuse a released file: no inode allocation
+                free = self._take_free()
+                if free is None:
                     break
                 try:
                     fd = os.open(free, os.O_WRONLY | os.O_CLOEXEC)
@@ -205,45 +229,67 @@ class Staging:
             os.close(fd)
 
     def delete(self, handles) -> None:
-        """Remove staged payloads; up to ``POOL`` of them are kept (renamed, never read) for reuse by ``put``."""
+        """Remove staged payloads. Each file is renamed to ``.free-...`` in its owner's subdirectory for the
+        owner's ``put`` to reuse (never read); beyond ``POOL`` of this process's own, files are unlinked."""
         prefix = self._own()
         recent = self._recent
         for handle in handles:
             recent.pop(handle, None)
             path = os.path.join(self._dir, handle)
+            owner = os.path.dirname(handle)
             try:
-                if len(self._free) < self.POOL:
-                    free = os.path.join(self._dir, f"{self.FREE}{prefix}-{next(self._free_ids)}")
-                    os.rename(path, free)
-                    self._free.append(free)
-                else:
+                if owner == prefix and len(self._free) >= self.POOL or not owner:
                     os.unlink(path)
+                    continue
+                free = os.path.join(self._dir, owner, f"{self.FREE}{prefix}-{next(self._free_ids)}")
+                os.rename(path, free)
+                if owner == prefix:
+                    self._free.append(free)
             except FileNotFoundError:
                 pass
 
     def release(self) -> None:
-        """Unlink this process's recycled files (at exit; a killed process leaves them to :meth:`sweep`)."""
-        free, self._free = self._free, []
-        for path in free:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        """Unlink the released files of this process's subdirectory, and the subdirectory once it is empty
+        (at exit; a killed process leaves them to :meth:`sweep`)."""
+        self._free = []
+        if self._pid != os.getpid():
+            return
+        _remove_free_files(os.path.join(self._dir, self._prefix))
 
     def sweep(self) -> int:
-        """Unlink recycled files of processes that are gone; returns how many."""
+        """Unlink released files in the subdirectories of processes that are gone; returns how many."""
         from rbpipe.procs import pid_alive
 
         n = 0
-        for p in self.path.glob(f"{self.FREE}*"):
+        for entry in os.scandir(self._dir):
+            if not entry.is_dir():
+                continue
             try:
-                pid = int(p.name[len(self.FREE):].split("-", 1)[0])
+                pid = int(entry.name.split("-", 1)[0])
             except ValueError:
                 continue
             if pid != os.getpid() and not pid_alive(pid):
-                p.unlink(missing_ok=True)
-                n += 1
+                n += _remove_free_files(entry.path)
         return n
 
     def handles(self) -> list[str]:
-        return sorted(p.name for p in self.path.glob(f"*{self.SUFFIX}"))
+        """Every staged payload's handle (``<process dir>/<n>.td``)."""
+        return sorted(p.relative_to(self.path).as_posix() for p in self.path.glob(f"*/*{self.SUFFIX}"))
+
+
+def _remove_free_files(directory: str) -> int:
+    """Unlink the ``.free-*`` files of a staging subdirectory, then the subdirectory if nothing else is left."""
+    n = 0
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if e.name.startswith(Staging.FREE):
+                    try:
+                        os.unlink(e.path)
+                        n += 1
+                    except FileNotFoundError:
+                        pass
+        os.rmdir(directory)
+    except OSError:  # gone already, or payloads still pending in it
+        pass
+    return n

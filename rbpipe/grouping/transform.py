@@ -324,15 +324,16 @@ class SharedMCAdvantage(MCAdvantage):
         requeued = torn = 0
         paths = sorted((self.staging.path / h for h in self.staging.handles()), key=lambda p: p.stat().st_mtime_ns)
         for path in paths:
+            handle = path.relative_to(self.staging.path).as_posix()
             try:
-                traj = self.staging.load(path.name)
+                traj = self.staging.load(handle)
                 group = self._group_of(traj)
                 reward = encode_tensor(traj.get(self.rewards_key))
             except Exception:  # noqa: BLE001 - a torn or foreign file
                 os.replace(path, path.with_name(path.name + ".torn"))
                 torn += 1
                 continue
-            decision = call(self._registry, "append", group, path.name, reward, os.getpid(), self.reserve_rows)
+            decision = call(self._registry, "append", group, handle, reward, os.getpid(), self.reserve_rows)
             requeued += 1
             if decision["status"] == "dropped":
                 self.staging.delete(decision["handles"])

@@ -1,0 +1,62 @@
+"""Staging area: per-process subdirectories, released files returned to their owner, sweeps of dead ones."""
+
+from __future__ import annotations
+
+import os
+
+import multiprocess
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rbpipe.grouping.staging import Staging
+
+
+def _td(value: float) -> TensorDict:
+    return TensorDict(obs=torch.full((4, 8), value), batch_size=[4])
+
+
+def _delete_in_child(path: str, handles: list[str]) -> None:
+    Staging(path).delete(handles)
+
+
+def _stage_and_die(path: str) -> None:
+    s = Staging(path)
+    handles = [s.put(_td(1.0)) for _ in range(3)]
+    s.delete(handles[:2])  # two released files, one payload still pending
+    os._exit(0)  # no atexit: as if killed
+
+
+@pytest.mark.timeout(60)
+def test_files_another_process_released_are_reused_by_their_owner(tmp_path):
+    s = Staging(tmp_path)
+    handles = [s.put(_td(float(i))) for i in range(20)]
+    assert {os.path.dirname(h) for h in handles} == {s._own()}  # one subdirectory per process
+    inodes = {os.stat(tmp_path / h).st_ino for h in handles}
+    p = multiprocess.get_context("spawn").Process(target=_delete_in_child, args=(str(tmp_path), handles))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    assert s.handles() == []
+    again = [s.put(_td(7.0)) for _ in range(20 + Staging.RESCAN_EVERY)]
+    reused = {os.stat(tmp_path / h).st_ino for h in again} & inodes
+    assert len(reused) == 20  # every released file came back to its owner instead of a new inode
+    assert all(torch.equal(s.load(h)["obs"], _td(7.0)["obs"]) for h in again)
+    s._recent.clear()  # read back from disk, not from memory
+    assert all(torch.equal(s.load(h)["obs"], _td(7.0)["obs"]) for h in again)
+
+
+@pytest.mark.timeout(60)
+def test_sweep_removes_a_dead_process_released_files_but_keeps_its_pending_payloads(tmp_path):
+    p = multiprocess.get_context("spawn").Process(target=_stage_and_die, args=(str(tmp_path),))
+    p.start()
+    p.join(30)
+    s = Staging(tmp_path)
+    (pending,) = s.handles()
+    assert len(list((tmp_path / os.path.dirname(pending)).iterdir())) == 3
+    assert s.sweep() == 2
+    assert s.handles() == [pending]  # still queued work: kept for the resumed run
+    assert torch.equal(s.load(pending)["obs"], _td(1.0)["obs"])
+    s.delete([pending])
+    s.sweep()
+    assert not (tmp_path / os.path.dirname(pending)).exists()  # nothing left: the directory goes too

@@ -80,9 +80,13 @@ def test_nested_layout_gives_jagged_tensors_equal_to_the_rows(tmp_path, cls):
     for gid in range(5):
         store.append_group(llm_group(gid, n=3))
     idx = torch.randperm(len(store), generator=torch.Generator().manual_seed(0))
-    rows = store.get(idx)
-    nested = cls(tmp_path / "s", create=False, ragged_layout="nested").get(idx)
+    rows = cls(tmp_path / "s", create=False, ragged_layout="rows").get(idx)
+    nested = store.get(idx)  # the default for 1-D ragged fields
+    assert store.ragged_layout == "nested"
     assert type(nested) is TensorDict and nested.batch_size == rows.batch_size
+    response, log_probs = nested.get(("tokens", "response")), nested.get(("log_probs", "rollout"))
+    assert response.offsets() is log_probs.offsets()  # equal row lengths: one ragged dim, ops across them
+    assert (response * 0 + log_probs).values().shape == log_probs.values().shape
     for key in rows[0].keys(True, True):
         col = nested.get(key)
         if key in [tuple(k) if isinstance(k, tuple) else (k,) for k in RAGGED_KEYS]:

@@ -64,8 +64,16 @@ def _plan(trajectories: int, group_size: int, writers: int, interleave: str, see
     return shares, n_groups * group_size
 
 
-def _writer_main(w: int, buffer, share_path: str, payload: str, progress, inflight, start: int) -> None:
+#: Tensor sharing for torchrl's stock shared transform: it sends every queued tensor through a stdlib manager,
+#: and with torch's default ("file_descriptor") each one holds a descriptor in the manager until a client
+#: takes it; a few thousand queued 1,024-token trajectories exhausted a 20,000-descriptor limit.
+STOCK_SHARING = "file_system"
+
+
+def _writer_main(w: int, buffer, share_path: str, payload: str, progress, inflight, start: int,
+                 sharing: str) -> None:
     torch.set_num_threads(1)
+    torch.multiprocessing.set_sharing_strategy(sharing)
     share = json.loads(Path(share_path).read_text())
     for i in range(start, len(share)):
         uid, gid, reward = share[i]
@@ -106,6 +114,9 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
     if dynamic_sampling:
         kwargs["keep_return_bounds"] = (0.01, 0.99)
     manager = start_manager() if grouping == "rbpipe" else None
+    sharing_before = torch.multiprocessing.get_sharing_strategy()
+    sharing = STOCK_SHARING if grouping == "torchrl" else sharing_before
+    torch.multiprocessing.set_sharing_strategy(sharing)  # before torchrl forks its manager
     ctx = multiprocess.get_context("spawn")
     buffer = make_replay_buffer(storage, grouping=grouping, grpo_size=group_size, manager=manager,
                                 staging_dir=store / "staging", **kwargs)
@@ -117,7 +128,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
     t0 = time.time()
 
     def spawn(w: int, start: int):
-        p = ctx.Process(target=_writer_main, args=(w, buffer, share_paths[w], payload, progress, inflight, start),
+        p = ctx.Process(target=_writer_main, args=(w, buffer, share_paths[w], payload, progress, inflight, start, sharing),
                         daemon=True)
         p.start()
         procs[w] = p
@@ -125,12 +136,13 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
     try:
         for w in range(writers):
             spawn(w, 0)
-        done_before, last_change = 0, time.time()
+        done_before, last_change, first_handover = 0, time.time(), None
         while True:
             time.sleep(0.05)
             done_now = sum(progress[:])
             if done_now != done_before:
                 last_change = time.time()
+                first_handover = first_handover or last_change  # throughput excludes process start-up
             delta, done_before = done_now - done_before, done_now
             for w, p in enumerate(procs):
                 if p is not None and not p.is_alive():
@@ -158,6 +170,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
                 hung = True
                 break
         seconds = time.time() - t0
+        busy = time.time() - (first_handover or t0)
         if grouping == "rbpipe" and not hung:
             buffer.recover(force=True)  # finish groups claimed by killed writers
         stats = dict(buffer.grouping_transform.get_stats()) if not hung else {}
@@ -168,13 +181,14 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
                 p.join(5)
         if manager is not None:
             manager.shutdown()
+        torch.multiprocessing.set_sharing_strategy(sharing_before)
     attempted = sum(progress[:])  # includes the `skipped` in-flight ones
     report = verify_store(store, group_size=group_size, stats=stats)
     handed = int(stats.get("completed_trajectories", 0))
     report.update(impl=grouping, writers=writers, group_size=group_size, payload=payload, interleave=interleave,
                   produced=produced, attempted=attempted, in_flight_at_kill=skipped, handed_over=handed, kills=kills,
                   lost_in_flight=attempted - handed if stats else None, hung=hung,
-                  seconds=round(seconds, 2), traj_per_s=round(attempted / max(seconds, 1e-9), 1),
+                  seconds=round(seconds, 2), traj_per_s=round(attempted / max(busy, 1e-9), 1),
                   store=str(store))
     report["lost"] = handed - (report["written"] + report["dropped"] + report["unselected"] + report["queued"])
     report["ok"] = bool(not hung and report["lost"] == 0 and report["duplicated"] == 0

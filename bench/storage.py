@@ -106,8 +106,8 @@ def fill(st, groups, gsize: int, start: int = 0) -> None:
 
 
 def run(quick: bool) -> list[dict]:
-    import logging
-    logging.getLogger("torchrl").setLevel(logging.WARNING)  # keep stdout to the report (--json)
+    from torchrl._utils import logger as torchrl_logger
+    torchrl_logger.setLevel("WARNING")  # torchrl logs storage allocation to stdout; --json owns stdout
     results = []
     sizes = {"llm_groups": 24 if quick else 128, "rl_rows": 100 if quick else 1000}
     reps, write_reps = (10, 3) if quick else (50, 3)

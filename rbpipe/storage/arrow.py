@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from rbpipe.storage.base import GroupStorage, pid_alive, writer_id
 from rbpipe.storage.format import SEGMENTS_DIR
-from rbpipe.storage.layout import Column, GroupColumns, Schema, take_ragged
+from rbpipe.storage.layout import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
 
 SEALED = ".arrows"
 IN_PROGRESS = ".arrows.inprogress"
@@ -234,33 +234,18 @@ class ArrowStorage(GroupStorage):
     def _gather(self, block, local_rows, keys=None) -> dict:
         """Columns of ``local_rows`` of one batch; ragged columns as (flat values, shapes) (layout.py)."""
         if block is None:
-            return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
-                            else np.zeros((0, *c.shape), c.np_dtype)) for c in self._schema.columns}
-        v = self._view(block)
+            return empty_columns(self._schema.columns)
         rows = np.asarray(local_rows)
         if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (len(rows) == 1 or (np.diff(rows) == 1).all()):
             return self._slice(block, int(rows[0]), int(rows[-1]) + 1, keys)
-        out = {}
-        for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
-            if c.ragged:
-                values, _, shapes = v[c.key]
-                out[c.key] = take_ragged(values, shapes, c, rows)
-            else:
-                out[c.key] = v[c.key][rows]
-        return out
+        return take_columns(self._schema.columns_of(keys), self._view(block), rows)
 
     def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
         whole = first == 0 and keys is None
         if whole and block in self._wholes and stop == self._wholes[block][0]:
             return self._wholes[block][1]  # a whole batch (one group): sliced once, then reused
         v = self._view(block)
-        out = {}
-        for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
-            if c.ragged:  # whole groups: one slice, no per-row work
-                values, offsets, shapes = v[c.key]
-                out[c.key] = (values[offsets[first]:offsets[stop]], shapes[first:stop])
-            else:
-                out[c.key] = v[c.key][first:stop]
+        out = slice_columns(self._schema.columns_of(keys), v, first, stop)
         if whole and stop == v["__rows__"]:
             self._wholes[block] = (stop, out)
         return out

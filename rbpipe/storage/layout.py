@@ -126,6 +126,37 @@ def take_ragged(values: np.ndarray, shapes: np.ndarray, col: "Column", order: np
     return (np.concatenate(parts) if parts else values[:0]), shapes[order]
 
 
+def take_columns(columns: Sequence["Column"], table: dict, rows: np.ndarray) -> dict:
+    """Rows of a decoded block (fixed columns as arrays, ragged ones as ``(values, offsets, shapes)``):
+    fixed columns fancy-indexed, ragged ones as (flat values, shapes) in the order asked."""
+    out = {}
+    for c in columns:
+        if c.ragged:
+            values, _, shapes = table[c.key]
+            out[c.key] = take_ragged(values, shapes, c, rows)
+        else:
+            out[c.key] = table[c.key][rows]
+    return out
+
+
+def slice_columns(columns: Sequence["Column"], table: dict, first: int, stop: int) -> dict:
+    """Consecutive rows ``first..stop`` of a decoded block: views, one slice per column."""
+    out = {}
+    for c in columns:
+        if c.ragged:
+            values, offsets, shapes = table[c.key]
+            out[c.key] = (values[offsets[first]:offsets[stop]], shapes[first:stop])
+        else:
+            out[c.key] = table[c.key][first:stop]
+    return out
+
+
+def empty_columns(columns: Sequence["Column"]) -> dict:
+    """Zero rows of every column, in the shapes ``take_columns`` returns."""
+    return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
+                    else np.zeros((0, *c.shape), c.np_dtype)) for c in columns}
+
+
 def _rows(td: TensorDictBase) -> list[TensorDictBase] | None:
     if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0:
         return list(td.tensordicts)
@@ -161,6 +192,10 @@ class Schema:
     def __init__(self, columns: Sequence[Column]):
         self.columns = list(columns)
         self.by_key = {c.key: c for c in self.columns}
+
+    def columns_of(self, keys=None) -> list[Column]:
+        """All columns, or those of ``keys``."""
+        return self.columns if keys is None else [self.by_key[k] for k in keys]
 
     @property
     def has_ragged(self) -> bool:

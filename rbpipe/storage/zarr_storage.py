@@ -21,7 +21,8 @@ import numpy as np
 from rbpipe.errors import StoreError
 from rbpipe.storage.base import GroupStorage
 from rbpipe.storage.format import ZARR_DIR
-from rbpipe.storage.layout import GroupColumns, Schema, ragged_sizes, row_elements, take_ragged
+from rbpipe.storage.layout import (GroupColumns, Schema, empty_columns, ragged_sizes, row_elements, slice_columns,
+                                   take_columns)
 
 MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chunk count)
 VALUE_CHUNK = 2 ** 18  # values per chunk of a ragged field's values array
@@ -332,30 +333,12 @@ class ZarrStorage(GroupStorage):
         bounded LRU cache of decoded groups: zarr-python pays ~0.3 ms per indexing call and keeps no
         cache, and committed groups never change, so a warm sample costs numpy slicing only."""
         if block is None:
-            return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
-                            else np.zeros((0, *c.shape), c.np_dtype)) for c in self._schema.columns}
-        group = self._cached_group(block)
+            return empty_columns(self._schema.columns)
         rows = np.asarray(local_rows, np.int64) - block
-        out = {}
-        for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
-            if c.ragged:
-                values, shapes, _ = group[c.key]
-                out[c.key] = take_ragged(values, shapes, c, rows)
-            else:
-                out[c.key] = group[c.key][rows]
-        return out
+        return take_columns(self._schema.columns_of(keys), self._cached_group(block), rows)
 
     def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
-        group = self._cached_group(block)
-        first, stop = first - block, stop - block
-        out = {}
-        for c in self._schema.columns if keys is None else [self._schema.by_key[k] for k in keys]:
-            if c.ragged:
-                values, shapes, offsets = group[c.key]
-                out[c.key] = (values[offsets[first]:offsets[stop]], shapes[first:stop])
-            else:
-                out[c.key] = group[c.key][first:stop]
-        return out
+        return slice_columns(self._schema.columns_of(keys), self._cached_group(block), first - block, stop - block)
 
     def _cached_group(self, block: int) -> dict:
         group = self._cache.get(block)
@@ -375,7 +358,7 @@ class ZarrStorage(GroupStorage):
                           else np.zeros((0, *((2,) if c.complex else ())), c.np_dtype))
                 values = values.reshape(-1)  # flat scalars, as Arrow's views (complex: 2 per value)
                 offsets = np.concatenate([[0], np.cumsum(ragged_sizes(shapes, c))])
-                group[c.key] = (values, shapes, offsets)
+                group[c.key] = (values, offsets, shapes)
                 nbytes += values.nbytes
             else:
                 group[c.key] = self._get(c.name, row, n)

@@ -220,10 +220,10 @@ class Schema:
             if rows is None:
                 t = td.get(key)
                 if t.is_nested:  # a jagged tensor [n, j] (the "nested" read layout): ragged by definition
-                    cols.append(Column(key, _DTYPES.get(t.dtype, ("?",))[0], None, t.dim() - 1))
                     if t.dtype not in _DTYPES:
                         raise SchemaError(f"key {column_name(key)!r} has dtype {t.dtype}, which the store "
                                           f"cannot hold; cast it to one of {sorted(n for n, _ in _DTYPES.values())}")
+                    cols.append(Column(key, _DTYPES[t.dtype][0], None, t.dim() - 1))
                     continue
                 shapes = {tuple(t.shape[1:])}
                 dtype = t.dtype

@@ -65,7 +65,7 @@ def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
     cfg.steps, cfg.target_reward = max_steps, target
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
-        summary = launch(cfg, run_dir=Path(tmp) / "run", progress=False, log=lambda *a: None)
+        launch(cfg, run_dir=Path(tmp) / "run", progress=False, log=lambda *a: None)
         wall = time.time() - t0
         metrics = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     last = metrics[-1] if metrics else {"time_s": float("nan"), "step": 0}

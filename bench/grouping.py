@@ -3,7 +3,8 @@
 Same workload for all three: W writer processes (``multiprocess`` spawn) push trajectories whose groups span
 writers, through a replay buffer whose storage is a ``LazyMemmapStorage`` allocated in the parent.
   stock    ``ReplayBuffer(shared=True)`` + torchrl ``MCAdvantage`` (stdlib manager, one RLock)
-  ours     ``rbpipe.buffer.make_replay_buffer(grouping="rbpipe")`` (handles through a multiprocess manager)
+  ours     ``rbpipe.buffer.make_replay_buffer(grouping="rbpipe")`` (handles through a multiprocess manager;
+           payloads staged in shared memory, ``/dev/shm``, as the transform does by default)
   ceiling  one process, torchrl ``MCAdvantage`` with process-local queues (no IPC at all)
 Each (impl, W, G, payload) runs for a fixed time (or a trajectory cap); stock is slow, so it gets the same
 time window and therefore far fewer trajectories. Speed is printed, never asserted.
@@ -50,6 +51,10 @@ def make_traj(payload: str, group: int, seed: int) -> TensorDict:
     return td
 
 
+from rbpipe.grouping.staging import temporary_staging_parent  # noqa: E402
+
+#: ours stages payloads in shared memory (``/dev/shm``), the transform's default when no staging_dir is given
+STAGING_ROOT = Path(tempfile.gettempdir())
 WARMUP = (16, 0.3)  # untimed trajectories per writer (at most, and at most this many seconds) before each window
 
 
@@ -115,7 +120,7 @@ def build_buffer(impl: str, payload: str, group_size: int, capacity: int, root: 
     storage = make_storage(payload, group_size, capacity, root)
     if impl == "ours":
         return make_replay_buffer(storage, grouping="rbpipe", grpo_size=group_size, manager=manager,
-                                  staging_dir=root / "staging", required_keys=KEYS)
+                                  staging_dir=STAGING_ROOT / "staging", required_keys=KEYS)
     if impl == "stock":
         return make_replay_buffer(storage, grouping="torchrl", grpo_size=group_size)
     return ReplayBuffer(storage=storage, transform=MCAdvantage(group_size, prompt_key="group_id"))
@@ -132,7 +137,9 @@ def main(argv=None) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     from rbpipe.buffer import start_manager
 
+    global STAGING_ROOT
     root = Path(tempfile.mkdtemp(prefix="rbpipe-bench-grouping-"))
+    STAGING_ROOT = Path(tempfile.mkdtemp(prefix="rbpipe-bench-staging-", dir=temporary_staging_parent()))
     results = []
     manager = start_manager()
     ctx = multiprocess.get_context("spawn")
@@ -166,6 +173,7 @@ def main(argv=None) -> int:
     finally:
         manager.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(STAGING_ROOT, ignore_errors=True)
     if args.json:
         print(json.dumps({"results": results}))
     else:
@@ -181,7 +189,7 @@ def print_table(results: list[dict]) -> None:
         if impl != "ours":
             continue
         s, c = by.get(("stock", w, g, p)), by.get(("ceiling", 1, g, p))
-        ratio = lambda a, b: f"{a / b:.1f}x" if a and b else "-"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.{1 if a >= 10 * b else 2}f}x" if a and b else "-"  # noqa: E731
         print(f"{p:8} {g:>3} {w:>2} {s['traj_per_s'] if s else '-':>9} {r['traj_per_s']:>9} "
               f"{c['traj_per_s'] if c else '-':>9} {ratio(r['traj_per_s'], s and s['traj_per_s']):>10} "
               f"{ratio(r['traj_per_s'], c and c['traj_per_s']):>9} {r['p50_ms']:>9} {r['p99_ms']:>9} "

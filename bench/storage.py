@@ -1,8 +1,14 @@
 """Storage benchmark: torchrl LazyMemmapStorage / LazyTensorStorage vs rbpipe Arrow and Zarr stores.
 
-Same data, same run. Writes: the median of three passes, each into a fresh storage. Workloads: ``llm_groups`` (groups of 16 trajectories, 100-1000 ragged tokens +
-log-probs; padded to the max length for the torchrl storages) and ``rl_rows`` (classic RL rows: obs[64],
-action, reward, done; written in groups of 64 rows). Ops: ``write`` (whole groups) and ``sample``
+Same data, same run. Workloads: ``llm_groups`` (groups of 16 trajectories, 100-1000 ragged tokens +
+log-probs; padded to the max length for the torchrl storages, untimed) and ``rl_rows`` (classic RL rows:
+obs[64], action, reward, done; written in groups of 64 rows). Writes: the median of five passes (three with
+``--quick``), each into a fresh store that is deleted after it, passes interleaved across backends so that
+each sees the same machine state (page-cache growth made back-to-back passes of one backend drift).
+``arrow``/``zarr`` write each llm group as the pipeline hands it over: one TensorDict whose ragged fields
+are jagged ``torch.nested`` tensors (the columnar form, as the memmap baseline gets one padded TensorDict);
+``-rows`` writes the same groups as torchrl's ``MCAdvantage`` stacks them (a lazy stack of 16 row
+tensordicts, which the store walks row by row). Ops: ``write`` (whole groups) and ``sample``
 (16 random whole groups for llm_groups, 256 random rows for rl_rows; warm: every row was read once before,
 untimed, so the files are in the page cache and mapped; then the median call is reported).
 For arrow on rl_rows, ``sample`` is measured after ``compact()`` (and ``sample_uncompacted`` before).
@@ -67,6 +73,27 @@ def rl_rows(n_groups: int, seed: int = 0, rows: int = 64):
     return data, data, rows
 
 
+BACKENDS = ("memmap", "tensor", "arrow", "zarr")
+
+
+def jagged_group(td) -> TensorDict:
+    """A lazy stack of rows -> one TensorDict whose ragged fields are jagged ``torch.nested`` tensors: the
+    columnar form of the same group (the form the stores return with ``ragged_layout="nested"``)."""
+    rows = td.tensordicts
+    out = {}
+    for key in rows[0].keys(True, True):
+        ts = [r.get(key) for r in rows]
+        if len({t.shape for t in ts}) == 1:
+            out[key] = torch.stack(ts)
+        else:
+            out[key] = torch.nested.nested_tensor_from_jagged(
+                torch.cat(ts), lengths=torch.tensor([t.shape[0] for t in ts]))
+    group = TensorDict(batch_size=[len(rows)])
+    for key, t in out.items():
+        group.set(key, t)
+    return group
+
+
 def _timeit(fn, reps):
     """Median seconds per call after one warm-up call (robust to a neighbour stealing the CPU)."""
     fn()
@@ -110,25 +137,37 @@ def run(quick: bool) -> list[dict]:
     torchrl_logger.setLevel("WARNING")  # torchrl logs storage allocation to stdout; --json owns stdout
     results = []
     sizes = {"llm_groups": 24 if quick else 128, "rl_rows": 100 if quick else 1000}
-    reps, write_reps = (10, 3) if quick else (50, 3)
+    reps, write_reps = (10, 3) if quick else (50, 5)
     for workload, make in (("llm_groups", llm_groups), ("rl_rows", rl_rows)):
         ragged, dense, gsize = make(sizes[workload])
         total = gsize * len(ragged)
         gen = torch.Generator().manual_seed(1)
-        for backend in ("memmap", "tensor", "arrow", "zarr"):
-            groups = dense if backend in ("memmap", "tensor") else ragged
-            times = []
-            for _ in range(write_reps):  # fresh storage each time; the median pass is reported
-                st = make_storage(backend, workload, total)
+        inputs = {"memmap": dense, "tensor": dense, "arrow": ragged, "zarr": ragged}
+        if workload == "llm_groups":  # jagged fields, as the pipeline hands groups over (built untimed)
+            jagged = [jagged_group(td) for td in ragged]
+            inputs.update({"arrow": jagged, "zarr": jagged, "arrow-rows": ragged, "zarr-rows": ragged})
+        stores = {}
+        times: dict[str, list[float]] = {b: [] for b in inputs}
+        for rep in range(write_reps):  # passes interleaved across backends: each sees the same machine state
+            for backend, groups in inputs.items():
+                st = make_storage(backend.split("-")[0], workload, total)
                 fill(st, groups[:1], gsize)  # allocation / store creation is not timed
                 t0 = time.perf_counter()
                 fill(st, groups[1:], gsize, start=1)
-                times.append(time.perf_counter() - t0)
-            dt = sorted(times)[len(times) // 2]
+                times[backend].append(time.perf_counter() - t0)
+                if hasattr(st, "close"):
+                    st.close()
+                if rep < write_reps - 1 or backend not in BACKENDS:  # free its page cache before the next pass
+                    del st
+                    shutil.rmtree(_TEMP_DIRS.pop(), ignore_errors=True)
+                else:
+                    stores[backend] = st
+        for backend, ts in times.items():
+            dt = sorted(ts)[len(ts) // 2]  # the median pass
             results.append({"backend": backend, "workload": workload, "op": "write",
                             "throughput": (total - gsize) / dt, "seconds": dt, "rows": total - gsize})
-            if hasattr(st, "close"):
-                st.close()
+        for backend in BACKENDS:
+            st, groups = stores[backend], inputs[backend]
 
             def draw():
                 if workload == "llm_groups":

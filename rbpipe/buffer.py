@@ -94,8 +94,8 @@ class GroupReplayBuffer(ReplayBuffer):
 
     def _write_claim(self, claim) -> torch.Tensor:
         transform = self.grouping_transform
-        group = transform.group_of(claim)
         storage = self._storage
+        group = transform.group_of(claim, jagged=hasattr(storage, "append_group"))
         if hasattr(storage, "append_group"):
             if _takes_commit_id(storage):  # idempotent: a recovered claim already committed is not rewritten
                 index = storage.append_group(group, commit_id=claim.claim_id, member_ids=claim.handles)

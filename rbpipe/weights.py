@@ -8,22 +8,29 @@ killed learner could leave held.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from rbpipe.policy import flat_parameters, load_flat_parameters
+from rbpipe.procs import shared_memory_dir, sweep_dead_files
 
 _SEQ, _VERSION, _STEP, _NUMEL = 0, 1, 2, 3
 _HEADER = 8
 
 
+WEIGHTS_PREFIX = "rbpipe-weights-"
+
+
 def default_weights_dir(run_dir: Path) -> Path:
-    """Prefer RAM-backed /dev/shm; fall back to the run directory."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else run_dir
+    """Prefer RAM-backed /dev/shm (where weight files of killed launchers are removed first); fall back to the
+    run directory."""
+    shm = shared_memory_dir()
+    if shm is None:
+        return run_dir
+    sweep_dead_files(shm, WEIGHTS_PREFIX)
+    return Path(shm)
 
 
 class SharedWeights:

@@ -28,7 +28,7 @@ from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
 from rbpipe.storage.catalog import repair_catalog
-from rbpipe.weights import SharedWeights, default_weights_dir
+from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from workers.collector import collector_entry
 from workers.control import DROPPED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
 from workers.learner import METRICS, learner_entry
@@ -118,7 +118,7 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
                 + (f"; {torn} torn staging file(s) set aside" if torn else ""))
         model = build_model(cfg.policy)
         numel = sum(p.numel() for p in model.parameters())
-        weights = SharedWeights(default_weights_dir(run_dir) / f"rbpipe-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        weights = SharedWeights(default_weights_dir(run_dir) / f"{WEIGHTS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}",
                                 numel, create=True)
         ckpt = run_dir / "checkpoint.pt"
         version = 0

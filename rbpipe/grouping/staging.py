@@ -27,6 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rbpipe.errors import RbpipeError
 from rbpipe.grouping.registry import decode_tensor
+from rbpipe.procs import shared_memory_dir
 
 
 class StagingError(RbpipeError):
@@ -78,6 +79,13 @@ def td_from_leaves(batch_size: tuple, leaves: list[tuple]) -> TensorDict:
 
 def decode_td(data: bytes) -> TensorDict:
     return td_from_leaves(*decode_leaves(data))
+
+
+def temporary_staging_parent() -> str:
+    """Where a temporary staging directory goes: shared memory when there is one, else the temp dir."""
+    import tempfile
+
+    return shared_memory_dir() or tempfile.gettempdir()
 
 
 _LIVE: "weakref.WeakSet[Staging]" = weakref.WeakSet()

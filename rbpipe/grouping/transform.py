@@ -21,8 +21,9 @@ from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import Staging, decode_leaves, td_from_leaves
+from rbpipe.grouping.staging import Staging, decode_leaves, temporary_staging_parent, td_from_leaves
 from rbpipe.schema import REQUIRED_KEYS, validate_trajectory
+from rbpipe.storage.layout import jagged_tensor
 
 
 @dataclass
@@ -39,12 +40,18 @@ class Claim:
     #: the selected members already concatenated (``load``'s fast path for same-layout tensor trajectories)
     assembled: TensorDictBase | None = field(default=None, repr=False)
     _sizes: list[int] | None = field(default=None, repr=False)
+    #: one-step members of varying lengths as one TensorDict of ``[n, j]`` jagged leaves, for rbpipe stores
+    jagged: TensorDictBase | None = field(default=None, repr=False)
+    _build_members: Any = field(default=None, repr=False)
 
     @property
     def members(self) -> list[TensorDictBase]:
-        """The selected trajectories, advantages set (filled by ``load``)."""
+        """The selected trajectories, advantages set (built by ``load``, or on first use)."""
         if self._members is None:
-            self._members = [] if self.assembled is None else list(self.assembled.split(self._sizes))
+            if self._build_members is not None:
+                self._members = self._build_members()
+            else:
+                self._members = [] if self.assembled is None else list(self.assembled.split(self._sizes))
         return self._members
 
     @property
@@ -57,7 +64,8 @@ class SharedMCAdvantage(MCAdvantage):
 
     Keyword Args (on top of ``MCAdvantage``'s):
         manager: a :func:`~rbpipe.grouping.start_manager` manager (or connected one); ``None`` starts one.
-        staging_dir: directory for staged payloads (e.g. ``STORE/staging``); a temporary one when ``None``.
+        staging_dir: directory for staged payloads (e.g. ``STORE/staging``, which a restarted run resumes
+            from); ``None``: a temporary one in shared memory (``/dev/shm``), removed by :meth:`shutdown`.
         name: registry name inside the manager (independent processes open the same name).
         required_keys: keys every trajectory must carry (default: the rbpipe schema's).
         shards: lock shards of the registry.
@@ -86,10 +94,11 @@ class SharedMCAdvantage(MCAdvantage):
         self._manager = start_manager() if manager is None else manager
         self.registry_name = name or f"grouping-{uuid.uuid4().hex[:12]}"
         self._registry = open_registry(self._manager, self.registry_name, options, shards)
+        self._owns_staging = staging_dir is None
         if staging_dir is None:
             import tempfile
 
-            staging_dir = Path(tempfile.mkdtemp(prefix="rbpipe-staging-"))
+            staging_dir = Path(tempfile.mkdtemp(prefix="rbpipe-staging-", dir=temporary_staging_parent()))
         self.staging = Staging(staging_dir)
         self.required_keys = tuple(REQUIRED_KEYS if required_keys is None else required_keys)
         self.reserve_rows = reserve_rows
@@ -99,6 +108,7 @@ class SharedMCAdvantage(MCAdvantage):
         state = super().__getstate__()
         state["_manager"] = None
         state["_owns_manager"] = False
+        state["_owns_staging"] = False
         return state
 
     @property
@@ -109,10 +119,15 @@ class SharedMCAdvantage(MCAdvantage):
         return self  # already shared: state lives in the manager
 
     def shutdown(self) -> None:
-        """Stop the manager if this transform started it."""
+        """Stop the manager and remove the temporary staging directory, if this transform made them."""
         if self._owns_manager and self._manager is not None:
             self._manager.shutdown()
             self._manager = None
+        if self._owns_staging:
+            import shutil
+
+            shutil.rmtree(self.staging.path, ignore_errors=True)
+            self._owns_staging = False
 
     # -- stats (same keys as torchrl) -----------------------------------------------------------------------------
     def get_stats(self) -> dict[str, float | int]:
@@ -223,13 +238,56 @@ class SharedMCAdvantage(MCAdvantage):
                       list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"))
         payloads = [decode_leaves(self.staging.read(handle)) for handle in claim.selected]
         if not self._assemble(claim, payloads):
-            claim._members = []
-            for payload, adv in zip(payloads, claim.advantages):
-                traj = td_from_leaves(*payload)
-                reward = traj.get(self.rewards_key)
-                traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
-                claim._members.append(traj)
+            if not self.reserve_rows:  # an rbpipe store takes jagged leaves (a torchrl storage would not)
+                claim.jagged = self._assemble_jagged(claim, payloads)
+            claim._build_members = lambda: self._members_of(payloads, claim.advantages)
+            if claim.jagged is None:
+                claim.members  # noqa: B018 - built now: a bad payload fails in load, not later
         return claim
+
+    def _members_of(self, payloads: list, advantages: list) -> list[TensorDictBase]:
+        members = []
+        for payload, adv in zip(payloads, advantages):
+            traj = td_from_leaves(*payload)
+            reward = traj.get(self.rewards_key)
+            traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
+            members.append(traj)
+        return members
+
+    def _assemble_jagged(self, claim: Claim, payloads: list) -> TensorDictBase | None:
+        """One-step members (batch ``[1]``) whose 2-D leaves differ in length only (LLM trajectories: tokens,
+        log-probs): one TensorDict, equal leaves concatenated, varying ones as ``[n, j]`` jagged tensors whose
+        values are the staged bytes decoded once. Writing this costs what writing a dense group does, where the
+        lazy stack of members torchrl builds costs a walk over every member; None when the layout differs."""
+        batch0, leaves0 = payloads[0]
+        if tuple(batch0) != (1,):
+            return None
+        n = len(payloads)
+        group = TensorDict(batch_size=[n])
+        for i, (key, dtype, shape0, _) in enumerate(leaves0):
+            column = []
+            for batch_size, leaves in payloads:
+                if tuple(batch_size) != (1,) or len(leaves) != len(leaves0):
+                    return None
+                k, dt, shape, raw = leaves[i]
+                if dt is None or k != key or dt != dtype or len(shape) != len(shape0) or shape[0] != 1:
+                    return None
+                column.append((shape, raw))
+            shapes = {shape for shape, _ in column}
+            data = b"".join(raw for _, raw in column)
+            if len(shapes) == 1:
+                group.set(key, decode_tensor(data, dtype, (n, *shape0[1:])))
+            elif len(shape0) == 2:
+                lengths = torch.tensor([shape[1] for shape, _ in column], dtype=torch.int64)
+                offsets = torch.zeros(n + 1, dtype=torch.int64)
+                torch.cumsum(lengths, 0, out=offsets[1:])
+                group.set(key, jagged_tensor(decode_tensor(data, dtype, (int(offsets[-1]),)), offsets))
+            else:
+                return None
+        reward_shape = group.get(self.rewards_key).shape
+        advs = [decode_tensor(*adv).reshape(1, *reward_shape[1:]) for adv in claim.advantages]
+        group.set(self.advantage_key, torch.cat(advs, 0))
+        return group
 
     def _assemble(self, claim: Claim, payloads: list) -> bool:
         """Concatenate same-layout, all-tensor members leaf by leaf (what ``group_of`` would return, without
@@ -266,10 +324,14 @@ class SharedMCAdvantage(MCAdvantage):
         claim.assembled, claim._sizes = group, sizes
         return True
 
-    def group_of(self, claim: Claim) -> TensorDictBase:
-        """The claim's members concatenated like torchrl does (contiguous when possible, else lazily)."""
+    def group_of(self, claim: Claim, *, jagged: bool = False) -> TensorDictBase:
+        """The claim's members concatenated like torchrl does (contiguous when possible, else lazily); with
+        ``jagged``, members of varying lengths come as one TensorDict of jagged leaves where possible (what
+        rbpipe stores take, and the cheapest form for them to write)."""
         if claim.assembled is not None:
             return claim.assembled
+        if jagged and claim.jagged is not None:
+            return claim.jagged
         return self._cat_tensordicts(claim.members, -1)
 
     def confirm(self, claim: Claim) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import mmap
-import errno
 import os
 import time
 from pathlib import Path
@@ -51,23 +50,40 @@ def arrow_schema(schema: Schema) -> pa.Schema:
 
 
 def to_record_batch(cols: GroupColumns, schema: Schema, pschema: pa.Schema) -> pa.RecordBatch:
+    """A group's columns as one record batch, built from their buffers without copies or per-array
+    validation (the types come from ``pschema``; ``pa.array`` + ``from_arrays`` cost a third of a write)."""
     arrays = []
+    fields = iter(pschema)
+    n = cols.n
     for c in schema.columns:
+        t = next(fields).type
         if c.ragged:
             values, shapes = cols.ragged[c.key]
-            flat = values.reshape(-1)
-            sizes = shapes.prod(1) * (2 if c.complex else 1) if c.ndim else np.ones(cols.n, np.int64)
-            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-            arrays.append(pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat)))
-            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(shapes.reshape(-1)), c.ndim))
-        else:
-            a = np.ascontiguousarray(cols.fixed[c.key])
-            if c.shape == () and not c.complex:
-                arrays.append(pa.array(a.reshape(-1)))
+            flat = np.ascontiguousarray(values).reshape(-1)
+            offsets = np.zeros(n + 1, np.int64)
+            if c.ndim == 1 and not c.complex:
+                np.cumsum(shapes[:, 0], out=offsets[1:])
+            elif c.ndim:
+                np.cumsum(shapes.prod(1) * (2 if c.complex else 1), out=offsets[1:])
             else:
-                flat = a.reshape(-1)
-                arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), flat.size // cols.n))
+                offsets[1:] = np.arange(1, n + 1) * (2 if c.complex else 1)
+            arrays.append(pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets)],
+                                                children=[_flat_array(t.value_type, flat)]))
+            shape_type = next(fields).type
+            arrays.append(pa.Array.from_buffers(shape_type, n, [None], children=[
+                _flat_array(shape_type.value_type, np.ascontiguousarray(shapes, np.int64).reshape(-1))]))
+        else:
+            flat = np.ascontiguousarray(cols.fixed[c.key]).reshape(-1)
+            if pa.types.is_fixed_size_list(t):
+                arrays.append(pa.Array.from_buffers(t, n, [None], children=[_flat_array(t.value_type, flat)]))
+            else:
+                arrays.append(_flat_array(t, flat))
     return pa.RecordBatch.from_arrays(arrays, schema=pschema)
+
+
+def _flat_array(t: pa.DataType, a: np.ndarray) -> pa.Array:
+    """A primitive Arrow array over a contiguous 1-D numpy array's memory (no copy)."""
+    return pa.Array.from_buffers(t, a.size, [None, pa.py_buffer(a)])
 
 
 class _Segment:
@@ -125,7 +141,8 @@ class ArrowStorage(GroupStorage):
         self._views: dict[int, dict] = {}
         self._wholes: dict[int, tuple[int, dict]] = {}  # block -> (rows, its columns as _slice returns them)
         self._pschema = None
-        self._wfd = -1
+        self._stream: pa.ipc.RecordBatchStreamWriter | None = None  # this process's open segment
+        self._sink: pa.OSFile | None = None
         self._wname = None
         self._wpos = 0
         self._wbatches = 0
@@ -136,34 +153,54 @@ class ArrowStorage(GroupStorage):
     # -- writing ------------------------------------------------------------------------------------------
     def _write_group(self, cols: GroupColumns) -> tuple[dict, int]:
         batch = to_record_batch(cols, self._schema, self._pschema)
-        if self._wfd < 0:
-            self._wname = writer_id()
-            self._wfd = os.open(self._seg_dir / (self._wname + IN_PROGRESS),
-                                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-            head = self._pschema.serialize()
-            os.write(self._wfd, head)
-            self._wpos = head.size
-            self._wbatches = 0
-        buf = batch.serialize()
-        written = os.write(self._wfd, buf)
-        if written != buf.size:
-            raise OSError(errno.ENOSPC, f"short write to segment {self._wname} ({written} of {buf.size} bytes)")
-        loc = {"seg": self._wname, "off": self._wpos, "len": buf.size, "batch": self._wbatches, "row": 0}
-        self._wpos += buf.size
-        self._wbatches += 1
-        return loc, buf.size
+        if self._stream is None:
+            self._open_segment()
+        try:  # the IPC writer copies the columns straight into the file: no serialised copy in between
+            self._stream.write_batch(batch)
+            end = self._sink.tell()
+            if self._wbatches == 0:  # the writer puts the schema message before its first batch
+                self._wpos += self._pschema.serialize().size
+        except OSError:
+            self._seal(failed=True)  # cut the partial batch off; the next group starts a new segment
+            raise
+        loc = {"seg": self._wname, "off": self._wpos, "len": end - self._wpos, "batch": self._wbatches, "row": 0}
+        self._wpos, self._wbatches = end, self._wbatches + 1
+        return loc, loc["len"]
 
-    def _seal(self) -> None:
-        if self._wfd >= 0:
-            os.write(self._wfd, EOS)
-            os.close(self._wfd)
-            self._wfd = -1
-            src = self._seg_dir / (self._wname + IN_PROGRESS)
-            os.rename(src, self._seg_dir / (self._wname + SEALED))
+    def _open_segment(self) -> None:
+        self._wname = writer_id()
+        path = self._seg_dir / (self._wname + IN_PROGRESS)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # never someone else's file
+        self._sink = pa.OSFile(str(path), "ab")
+        self._stream = pa.ipc.new_stream(self._sink, self._pschema)
+        self._wpos, self._wbatches = self._sink.tell(), 0
+
+    def _seal(self, failed: bool = False) -> None:
+        """End this process's segment with the end-of-stream marker and rename it to its sealed name. After a
+        failed write, what follows the last whole batch is cut off first (it was never committed)."""
+        if self._stream is None:
+            return
+        stream, sink, self._stream, self._sink = self._stream, self._sink, None, None
+        path = self._seg_dir / (self._wname + IN_PROGRESS)
+        try:
+            if failed:
+                sink.close()
+                os.truncate(path, self._wpos)
+                with open(path, "ab") as f:
+                    f.write(EOS)
+            else:
+                stream.close()
+                sink.close()
+        except OSError:  # e.g. still no space for the marker: a stream reader stops at the cut anyway
+            pass
+        if self._wbatches:
+            os.rename(path, self._seg_dir / (self._wname + SEALED))
+        else:
+            path.unlink(missing_ok=True)
 
     def _after_fork(self) -> None:
         super()._after_fork()
-        self._wfd = -1  # the parent's segment stays the parent's
+        self._stream = self._sink = None  # the parent's segment stays the parent's (dropping them writes nothing)
         self._segments = {}
         self._views, self._wholes = {}, {}
 

@@ -29,12 +29,8 @@ from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOK
 from rbpipe.storage.commitlog import CommitLog
 from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
 from rbpipe.storage.group_index import GroupIndex
-from rbpipe.storage.layout import GroupColumns, Schema, from_storage_np, key_tuple, row_elements, take_ragged
-
-try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
-    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (~4x cheaper per call)
-except ImportError:  # a torch that moved it: the public constructor
-    _NestedTensor = None
+from rbpipe.storage.layout import (GroupColumns, Schema, from_storage_np, jagged_tensor, key_tuple, row_elements,
+                                   take_ragged)
 
 NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
@@ -320,11 +316,15 @@ class GroupStorage(Storage):
         else:
             if isinstance(index, tuple) and len(index) == 1:
                 index = index[0]
-            rows = torch.as_tensor(index).reshape(-1).numpy().astype(np.int64)
+            rows = np.asarray(torch.as_tensor(index).reshape(-1).numpy(), dtype=np.int64)  # a view when int64
             scalar = False
-        rows = np.where(rows < 0, rows + n, rows)
-        if rows.size and (rows.min() < 0 or rows.max() >= n):
-            raise IndexError(f"row index out of range for a store of {n} rows")
+        if rows.size:
+            low = rows.min()
+            if low < 0:
+                rows = np.where(rows < 0, rows + n, rows)  # a new array: the caller's index is never modified
+                low = rows.min()
+            if low < 0 or rows.max() >= n:
+                raise IndexError(f"row index out of range for a store of {n} rows")
         return rows, scalar
 
     def _gather_rows(self, rows: np.ndarray) -> dict[tuple, Any]:
@@ -565,8 +565,7 @@ def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int,
         offsets = torch.zeros(m + 1, dtype=torch.int64)
         torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
         offsets_by_lengths[lengths.tobytes()] = offsets
-    return _NestedTensor(values, offsets) if _NestedTensor is not None else (
-        torch.nested.nested_tensor_from_jagged(values, offsets))
+    return jagged_tensor(values, offsets)
 
 
 def _dense_td(tree: dict, batch_size: torch.Size) -> TensorDict:

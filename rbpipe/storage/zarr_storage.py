@@ -21,7 +21,7 @@ import numpy as np
 from rbpipe.errors import StoreError
 from rbpipe.storage.base import GroupStorage
 from rbpipe.storage.format import ZARR_DIR
-from rbpipe.storage.layout import (GroupColumns, Schema, empty_columns, ragged_sizes, row_elements, slice_columns,
+from rbpipe.storage.layout import (GroupColumns, empty_columns, ragged_sizes, row_elements, slice_columns,
                                    take_columns)
 
 MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chunk count)
@@ -269,7 +269,6 @@ class ZarrStorage(GroupStorage):
 
     def _write_group(self, cols: GroupColumns) -> tuple[dict, int]:
         row, vals = self._allocate(cols)
-        n = cols.n
         nbytes = 0
         for c in self._schema.columns:
             if c.ragged:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 from tensordict import TensorDict
@@ -49,6 +50,30 @@ def test_full_disk_is_a_clear_error_and_committed_groups_survive(small_disk):
     ids = reopened.get(torch.arange(len(reopened))).get("group_id").reshape(-1, 4)
     assert (ids == ids[:, :1]).all() and ids[:, 0].tolist() == list(range(written))
     assert inspect_store(small_disk / "store", limit=None)["groups_committed"] == written
+
+
+@pytest.mark.timeout(60)
+def test_after_a_full_disk_is_freed_writing_resumes_in_a_new_segment(small_disk):
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(b"\0" * 96 * 1024)
+    storage = ArrowStorage(small_disk / "store")
+    written = 0
+    with pytest.raises(StoreError, match="disk is full"):
+        for i in range(100):
+            storage.append_group(group(i))
+            written += 1
+    ballast.unlink()  # space again: the same storage object goes on writing
+    storage.append_group(group(1000))
+    storage.close()
+    segments = sorted(p.name for p in (small_disk / "store" / "segments").iterdir())
+    assert len(segments) == 2 and all(name.endswith(".arrows") for name in segments)  # both sealed
+    reopened = ArrowStorage(small_disk / "store", create=False)
+    ids = reopened.get(torch.arange(len(reopened))).get("group_id").reshape(-1, 4)
+    assert ids[:, 0].tolist() == list(range(written)) + [1000]  # the cut-off batch never shows up
+    assert inspect_store(small_disk / "store", limit=None)["groups_committed"] == written + 1
+    for name in segments:  # each sealed segment is a complete Arrow IPC stream for any reader
+        with pa.ipc.open_stream(small_disk / "store" / "segments" / name) as reader:
+            assert sum(b.num_rows for b in reader) > 0
 
 
 @pytest.mark.timeout(60)

@@ -22,7 +22,7 @@ def groups_of(out) -> list[tuple]:
     """Canonical form of a transform output: (group, sorted (uid, advantages)) per group."""
     if out is None:
         return []
-    result, rows = [], {}
+    rows = {}
     uids = out.get("uid").tolist()
     advs = out.get("advantage").reshape(len(uids), -1)[:, 0].tolist()
     gids = out.get("group_id").tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import multiprocess
 import pytest
@@ -60,3 +61,34 @@ def test_sweep_removes_a_dead_process_released_files_but_keeps_its_pending_paylo
     s.delete([pending])
     s.sweep()
     assert not (tmp_path / os.path.dirname(pending)).exists()  # nothing left: the directory goes too
+
+
+@pytest.mark.timeout(60)
+def test_default_staging_is_in_shared_memory_and_removed_at_shutdown(grouping_manager):
+    from rbpipe.grouping import SharedMCAdvantage
+    from rbpipe.procs import shared_memory_dir
+
+    t = SharedMCAdvantage(2, manager=grouping_manager)
+    path = t.staging.path
+    assert path.is_dir()
+    if shared_memory_dir() is not None:
+        assert path.parent == Path(shared_memory_dir()).resolve()
+    handle = t.staging.put(_td(1.0))
+    assert (path / handle).exists()
+    t.shutdown()
+    assert not path.exists()  # nothing left in RAM-backed /dev/shm
+
+
+@pytest.mark.timeout(60)
+def test_sweep_dead_files_removes_only_files_of_processes_that_are_gone(tmp_path):
+    from rbpipe.procs import sweep_dead_files
+
+    p = multiprocess.get_context("spawn").Process(target=os.getpid)
+    p.start()
+    p.join(30)
+    dead, alive = p.pid, os.getpid()
+    names = [f"w-{dead}-a", f"w-{dead}-a.hdr", f"w-{alive}-b", f"x-{dead}-c", "w-notapid"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert sweep_dead_files(tmp_path, "w-") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"w-{alive}-b", f"x-{dead}-c", "w-notapid"])

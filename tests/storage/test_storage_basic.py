@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import pickle
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st

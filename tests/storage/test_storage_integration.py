@@ -6,7 +6,6 @@ import json
 import os
 import socket
 
-import numpy as np
 import pyarrow as pa
 import pytest
 import torch

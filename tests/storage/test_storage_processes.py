@@ -8,7 +8,6 @@ import time
 
 import multiprocess
 import pytest
-import torch
 
 from helpers_storage import llm_group
 from rbpipe.schema import RAGGED_KEYS

@@ -80,17 +80,11 @@ def jagged_group(td) -> TensorDict:
     """A lazy stack of rows -> one TensorDict whose ragged fields are jagged ``torch.nested`` tensors: the
     columnar form of the same group (the form the stores return with ``ragged_layout="nested"``)."""
     rows = td.tensordicts
-    out = {}
+    group = TensorDict(batch_size=[len(rows)])
     for key in rows[0].keys(True, True):
         ts = [r.get(key) for r in rows]
-        if len({t.shape for t in ts}) == 1:
-            out[key] = torch.stack(ts)
-        else:
-            out[key] = torch.nested.nested_tensor_from_jagged(
-                torch.cat(ts), lengths=torch.tensor([t.shape[0] for t in ts]))
-    group = TensorDict(batch_size=[len(rows)])
-    for key, t in out.items():
-        group.set(key, t)
+        group.set(key, torch.stack(ts) if len({t.shape for t in ts}) == 1 else
+                  torch.nested.nested_tensor_from_jagged(torch.cat(ts), lengths=torch.tensor([len(t) for t in ts])))
     return group
 
 

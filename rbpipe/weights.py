@@ -18,9 +18,7 @@ from rbpipe.procs import shared_memory_dir, sweep_dead_files
 
 _SEQ, _VERSION, _STEP, _NUMEL = 0, 1, 2, 3
 _HEADER = 8
-
-
-WEIGHTS_PREFIX = "rbpipe-weights-"
+WEIGHTS_PREFIX = "rbpipe-weights-"  # + "<launcher pid>-<random>": files of dead pids are swept
 
 
 def default_weights_dir(run_dir: Path) -> Path:

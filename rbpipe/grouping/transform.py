@@ -237,9 +237,8 @@ class SharedMCAdvantage(MCAdvantage):
         claim = Claim(decision["claim_id"], decision["group"], list(decision["selected"]),
                       list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"))
         payloads = [decode_leaves(self.staging.read(handle)) for handle in claim.selected]
-        if not self._assemble(claim, payloads):
-            if not self.reserve_rows:  # an rbpipe store takes jagged leaves (a torchrl storage would not)
-                claim.jagged = self._assemble_jagged(claim, payloads)
+        self._assemble(claim, payloads)
+        if claim.assembled is None:
             claim._build_members = lambda: self._members_of(payloads, claim.advantages)
             if claim.jagged is None:
                 claim.members  # noqa: B018 - built now: a bad payload fails in load, not later
@@ -254,75 +253,53 @@ class SharedMCAdvantage(MCAdvantage):
             members.append(traj)
         return members
 
-    def _assemble_jagged(self, claim: Claim, payloads: list) -> TensorDictBase | None:
-        """One-step members (batch ``[1]``) whose 2-D leaves differ in length only (LLM trajectories: tokens,
-        log-probs): one TensorDict, equal leaves concatenated, varying ones as ``[n, j]`` jagged tensors whose
-        values are the staged bytes decoded once. Writing this costs what writing a dense group does, where the
-        lazy stack of members torchrl builds costs a walk over every member; None when the layout differs."""
-        batch0, leaves0 = payloads[0]
-        if tuple(batch0) != (1,):
-            return None
-        n = len(payloads)
-        group = TensorDict(batch_size=[n])
-        for i, (key, dtype, shape0, _) in enumerate(leaves0):
-            column = []
-            for batch_size, leaves in payloads:
-                if tuple(batch_size) != (1,) or len(leaves) != len(leaves0):
-                    return None
-                k, dt, shape, raw = leaves[i]
-                if dt is None or k != key or dt != dtype or len(shape) != len(shape0) or shape[0] != 1:
-                    return None
-                column.append((shape, raw))
-            shapes = {shape for shape, _ in column}
-            data = b"".join(raw for _, raw in column)
-            if len(shapes) == 1:
-                group.set(key, decode_tensor(data, dtype, (n, *shape0[1:])))
-            elif len(shape0) == 2:
-                lengths = torch.tensor([shape[1] for shape, _ in column], dtype=torch.int64)
-                offsets = torch.zeros(n + 1, dtype=torch.int64)
-                torch.cumsum(lengths, 0, out=offsets[1:])
-                group.set(key, jagged_tensor(decode_tensor(data, dtype, (int(offsets[-1]),)), offsets))
-            else:
-                return None
-        reward_shape = group.get(self.rewards_key).shape
-        advs = [decode_tensor(*adv).reshape(1, *reward_shape[1:]) for adv in claim.advantages]
-        group.set(self.advantage_key, torch.cat(advs, 0))
-        return group
-
-    def _assemble(self, claim: Claim, payloads: list) -> bool:
-        """Concatenate same-layout, all-tensor members leaf by leaf (what ``group_of`` would return, without
-        building one TensorDict per member); False when the members need torchrl's general path."""
+    def _assemble(self, claim: Claim, payloads: list) -> None:
+        """Concatenate all-tensor members of one layout leaf by leaf from the staged bytes (one decode per
+        leaf, no TensorDict per member). Sets ``claim.assembled`` when every leaf concatenates densely (what
+        ``group_of`` would return), or ``claim.jagged`` when the members are one-step trajectories whose 2-D
+        leaves differ in length (LLM tokens and log-probs: ``[n, j]`` jagged leaves, which rbpipe stores write
+        as cheaply as dense ones, where torchrl's lazy stack of members costs a walk over every member; not
+        built for torchrl storages, ``reserve_rows``). Neither when the members need torchrl's general path."""
         if not payloads:
-            return False
+            return
         batch0, leaves0 = payloads[0]
-        if len(batch0) != 1:
-            return False
-        layout = [(key, dtype, shape[1:]) for key, dtype, shape, _ in leaves0]
-        reward_key = self.rewards_key if isinstance(self.rewards_key, tuple) else (self.rewards_key,)
-        reward_shape = None
         sizes = []
         for batch_size, leaves in payloads:
-            if len(batch_size) != 1 or len(leaves) != len(layout):
-                return False
-            for (key, dtype, shape, _), (key0, dtype0, trailing0) in zip(leaves, layout):
-                if dtype is None or key != key0 or dtype != dtype0 or shape[1:] != trailing0 \
-                        or shape[0] != batch_size[0]:
-                    return False
+            if len(batch_size) != 1 or len(leaves) != len(leaves0):
+                return
             sizes.append(batch_size[0])
-        for key, _, trailing in layout:
-            if (key if isinstance(key, tuple) else (key,)) == reward_key:
-                reward_shape = trailing
-                break
-        if reward_shape is None:
-            return False
+        may_be_jagged = not self.reserve_rows and all(size == 1 for size in sizes)
+        kinds = []  # per leaf: True = jagged, False = dense; checked for every leaf before anything is decoded
+        for i, (key, dtype, shape0, _) in enumerate(leaves0):
+            same = True
+            for (_, leaves), size in zip(payloads, sizes):
+                k, dt, shape, _ = leaves[i]
+                if dt is None or k != key or dt != dtype or len(shape) != len(shape0) or shape[0] != size:
+                    return
+                same = same and shape[1:] == shape0[1:]
+            if not same and not (may_be_jagged and len(shape0) == 2):
+                return
+            kinds.append(not same)
         n = sum(sizes)
         group = TensorDict(batch_size=[n])
-        for i, (key, dtype, trailing) in enumerate(layout):
-            group.set(key, decode_tensor(b"".join(leaves[i][3] for _, leaves in payloads), dtype, (n, *trailing)))
-        advs = [decode_tensor(*adv).reshape(size, *reward_shape) for adv, size in zip(claim.advantages, sizes)]
+        for i, ((key, dtype, shape0, _), jagged) in enumerate(zip(leaves0, kinds)):
+            column = [leaves[i] for _, leaves in payloads]
+            data = b"".join(raw for *_, raw in column)
+            if jagged:
+                offsets = torch.zeros(n + 1, dtype=torch.int64)
+                torch.cumsum(torch.tensor([shape[1] for _, _, shape, _ in column]), 0, out=offsets[1:])
+                group.set(key, jagged_tensor(decode_tensor(data, dtype, (int(offsets[-1]),)), offsets))
+            else:
+                group.set(key, decode_tensor(data, dtype, (n, *shape0[1:])))
+        reward = group.get(self.rewards_key, None)
+        if reward is None or reward.is_nested:
+            return
+        advs = [decode_tensor(*adv).reshape(size, *reward.shape[1:]) for adv, size in zip(claim.advantages, sizes)]
         group.set(self.advantage_key, advs[0] if len(advs) == 1 else torch.cat(advs, 0))
-        claim.assembled, claim._sizes = group, sizes
-        return True
+        if any(kinds):
+            claim.jagged = group
+        else:
+            claim.assembled, claim._sizes = group, sizes
 
     def group_of(self, claim: Claim, *, jagged: bool = False) -> TensorDictBase:
         """The claim's members concatenated like torchrl does (contiguous when possible, else lazily); with

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -94,7 +95,8 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
             f"a trajectory must have batch_size=[T] with T >= 1 steps, got {tuple(td.shape)}"
         )
     done = td.get(done_key)
-    if not bool(done[-1].all()):
+    done_np = numpy_view(done)
+    if not (bool(done_np[-1].all()) if done_np is not None else bool(done[-1].all())):
         raise BadTrajectoryError(
             "trajectory is unfinished: its last step is not done "
             f"({_key_name(done_key)}[-1] is False). Only hand over trajectories that ended; "
@@ -106,13 +108,28 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
             f"reward {_key_name(reward_key)} has dtype {reward.dtype}; rewards must be floating "
             "point (cast with .float())."
         )
-    if not bool(torch.isfinite(reward).all()):
+    reward_np = numpy_view(reward)
+    if not (bool(np.isfinite(reward_np).all()) if reward_np is not None else bool(torch.isfinite(reward).all())):
         bad = reward[~torch.isfinite(reward)].flatten()[:3].tolist()
         raise BadTrajectoryError(
             f"reward {_key_name(reward_key)} is not finite ({', '.join(map(str, bad))}): a NaN or "
             "inf reward would turn every advantage of its group into NaN. Fix the reward function "
             "(or replace non-finite rewards by a number) before handing the trajectory over."
         )
+
+
+#: dtypes whose CPU tensors ``Tensor.numpy()`` views as they are
+_NUMPY_VIEWABLE = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                             torch.float16, torch.float32, torch.float64})
+
+
+def numpy_view(t) -> np.ndarray | None:
+    """A numpy view of a plain CPU tensor, else None. The per-trajectory checks run on a few elements, where
+    a numpy call costs ~1 us and a torch op ~3-5 us of dispatch: ~40 us of every trajectory a writer hands
+    over went to such checks."""
+    if type(t) is torch.Tensor and t.dtype in _NUMPY_VIEWABLE and not t.requires_grad and t.device.type == "cpu":
+        return t.numpy()
+    return None
 
 
 def is_finite_number(x: float) -> bool:

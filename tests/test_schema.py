@@ -41,6 +41,40 @@ def test_non_finite_reward(value):
         validate_trajectory(good(reward=value))
 
 
+# The checks take a numpy fast path for plain CPU tensors and torch's ops for the rest (bfloat16, which numpy
+# lacks; tensors that require grad): both must reject the same input.
+_REWARD_FORMS = {
+    "float32": lambda r: r,
+    "float16": lambda r: r.half(),
+    "float64": lambda r: r.double(),
+    "bfloat16": lambda r: r.bfloat16(),
+    "requires_grad": lambda r: r.clone().requires_grad_(),
+    "non_contiguous": lambda r: r.expand(1, 2)[:, :1],
+}
+
+
+@pytest.mark.parametrize("form", sorted(_REWARD_FORMS))
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.5])
+def test_reward_checks_agree_whatever_the_tensor_form(form, value):
+    td = good()
+    td["next", "reward"] = _REWARD_FORMS[form](torch.full((1, 1), value))
+    if value == 0.5:
+        validate_trajectory(td)
+    else:
+        with pytest.raises(BadTrajectoryError, match="not finite"):
+            validate_trajectory(td)
+
+
+@pytest.mark.parametrize("done_form", ["bool", "uint8", "float32"])
+def test_unfinished_trajectory_is_caught_for_any_done_dtype(done_form):
+    td = good()
+    td["next", "done"] = torch.zeros(1, 1, dtype=getattr(torch, done_form))
+    with pytest.raises(BadTrajectoryError, match="unfinished"):
+        validate_trajectory(td)
+    td["next", "done"] = torch.ones(1, 1, dtype=getattr(torch, done_form))
+    validate_trajectory(td)
+
+
 def test_integer_reward_dtype():
     td = good()
     td["next", "reward"] = torch.ones(1, 1, dtype=torch.int64)

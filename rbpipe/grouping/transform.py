@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
@@ -22,7 +23,7 @@ from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
 from rbpipe.grouping.staging import Staging, decode_leaves, temporary_staging_parent, td_from_leaves
-from rbpipe.schema import REQUIRED_KEYS, validate_trajectory
+from rbpipe.schema import REQUIRED_KEYS, numpy_view, validate_trajectory
 from rbpipe.storage.layout import jagged_tensor
 
 
@@ -179,9 +180,16 @@ class SharedMCAdvantage(MCAdvantage):
         if not isinstance(done, torch.Tensor):
             validate_trajectory(tensordict, required=self.required_keys, reward_key=self.rewards_key,
                                 done_key=self.done_key)
-        done = done.reshape(tensordict.shape[0], -1).any(-1)
-        if int(done.sum()) > 1:
-            ends = (done.nonzero(as_tuple=True)[0] + 1).tolist()
+        done_np = numpy_view(done)
+        if done_np is not None:  # numpy: a few elements, ~1 us a call against ~4 us for a torch op
+            step_done = done_np.reshape(tensordict.shape[0], -1).any(-1)
+            several = int(np.count_nonzero(step_done)) > 1
+        else:
+            step_done = done.reshape(tensordict.shape[0], -1).any(-1)
+            several = int(step_done.sum()) > 1
+        if several:
+            ends = (np.flatnonzero(step_done) + 1 if done_np is not None
+                    else step_done.nonzero(as_tuple=True)[0] + 1).tolist()
             sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
             if sum(sizes) < tensordict.shape[0]:
                 sizes.append(tensordict.shape[0] - sum(sizes))
@@ -191,6 +199,10 @@ class SharedMCAdvantage(MCAdvantage):
     def _group_of(self, traj: TensorDictBase):
         group = traj.get(self.prompt_key, None)
         if isinstance(group, torch.Tensor) and not isinstance(group, TensorDictBase) and group.ndim:
+            view = numpy_view(group)
+            if view is not None:  # = traj[0][prompt_key], without a torch op
+                first = view[0]
+                return first.item() if first.size == 1 else tuple(first.reshape(-1).tolist())
             group = group[0]  # = traj[0][prompt_key] for a tensor leaf, without indexing the TensorDict
         else:
             group = traj[0][self.prompt_key]

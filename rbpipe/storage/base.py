@@ -316,9 +316,12 @@ class GroupStorage(Storage):
         else:
             if isinstance(index, tuple) and len(index) == 1:
                 index = index[0]
-            rows = np.asarray(torch.as_tensor(index).reshape(-1).numpy(), dtype=np.int64)  # a view when int64
+            if type(index) is torch.Tensor and index.dtype == torch.int64 and index.ndim == 1:
+                rows = index.numpy()  # what samplers hand over: a view, no conversion
+            else:
+                rows = np.asarray(torch.as_tensor(index).reshape(-1).numpy(), dtype=np.int64)  # a view if int64
             scalar = False
-        if rows.size:
+        if rows.size and rows.view(np.uint64).max() >= n:  # one pass: a negative row reads as huge here
             low = rows.min()
             if low < 0:
                 rows = np.where(rows < 0, rows + n, rows)  # a new array: the caller's index is never modified
@@ -562,9 +565,10 @@ def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int,
     lengths = np.ascontiguousarray(shapes[:, 0])
     offsets = offsets_by_lengths.get(lengths.tobytes())
     if offsets is None:
-        offsets = torch.zeros(m + 1, dtype=torch.int64)
-        torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
-        offsets_by_lengths[lengths.tobytes()] = offsets
+        cum = np.empty(m + 1, np.int64)
+        cum[0] = 0
+        np.cumsum(lengths, out=cum[1:])
+        offsets = offsets_by_lengths[lengths.tobytes()] = torch.from_numpy(cum)
     return jagged_tensor(values, offsets)
 
 

@@ -128,7 +128,10 @@ def numpy_view(t) -> np.ndarray | None:
     a numpy call costs ~1 us and a torch op ~3-5 us of dispatch: ~40 us of every trajectory a writer hands
     over went to such checks."""
     if type(t) is torch.Tensor and t.dtype in _NUMPY_VIEWABLE and not t.requires_grad and t.device.type == "cpu":
-        return t.numpy()
+        try:
+            return t.numpy()
+        except RuntimeError:  # e.g. a tensor with its negative bit set
+            return None
     return None
 
 

@@ -84,8 +84,6 @@ class _Skeleton(TensorDict):
         return super().__getitem__(index)
 
 
-
-
 class _SkeletonMCAdvantage(MCAdvantage):
     """torchrl's ``MCAdvantage``, fed skeletons only. A skeleton is built concrete (plain tensors, no lazy
     stack, no non-tensor leaves), so torchrl's per-trajectory materialisation check, a third of the decision's

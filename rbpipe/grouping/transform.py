@@ -180,16 +180,12 @@ class SharedMCAdvantage(MCAdvantage):
         if not isinstance(done, torch.Tensor):
             validate_trajectory(tensordict, required=self.required_keys, reward_key=self.rewards_key,
                                 done_key=self.done_key)
-        done_np = numpy_view(done)
-        if done_np is not None:  # numpy: a few elements, ~1 us a call against ~4 us for a torch op
-            step_done = done_np.reshape(tensordict.shape[0], -1).any(-1)
-            several = int(np.count_nonzero(step_done)) > 1
-        else:
-            step_done = done.reshape(tensordict.shape[0], -1).any(-1)
-            several = int(step_done.sum()) > 1
-        if several:
-            ends = (np.flatnonzero(step_done) + 1 if done_np is not None
-                    else step_done.nonzero(as_tuple=True)[0] + 1).tolist()
+        done_np = numpy_view(done)  # numpy: a few elements, ~1 us a call against ~4 us for a torch op
+        steps = tensordict.shape[0]
+        step_done = (done_np.reshape(steps, -1).any(-1) if done_np is not None
+                     else done.reshape(steps, -1).any(-1).cpu().numpy())
+        if np.count_nonzero(step_done) > 1:
+            ends = (np.flatnonzero(step_done) + 1).tolist()
             sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
             if sum(sizes) < tensordict.shape[0]:
                 sizes.append(tensordict.shape[0] - sum(sizes))

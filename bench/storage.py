@@ -15,6 +15,9 @@ For arrow on rl_rows, ``sample`` is measured after ``compact()`` (and ``sample_u
 ``arrow``/``zarr`` read ragged fields with the default layout (``"nested"``: one jagged tensor per field);
 ``-padded`` reads the same store with ``ragged_layout="padded"`` (dense zero-padded tensors, as the memmap
 baseline returns them) and ``-rows`` with ``ragged_layout="rows"`` (a lazy stack of per-row tensordicts).
+Whole groups are copied by ``rbpipe.storage.gather`` on torch's number of threads when numba's parallel
+path is available (``parallel_gather`` in the report; ``RBPIPE_PARALLEL_GATHER=0`` measures the numpy path),
+as the memmap baseline's gather runs on torch's threads.
 Throughput is rows per second. Nothing is asserted: the figures are reported as measured.
 """
 
@@ -211,9 +214,13 @@ def main(argv=None) -> None:
     base = {(r["workload"], r["op"]): r["throughput"] for r in results if r["backend"] == "memmap"}
     for r in results:
         r["ratio_vs_memmap"] = r["throughput"] / base[(r["workload"], r["op"])]
+    from rbpipe.storage.gather import parallel_available
+    parallel = parallel_available()
     if args.json:
-        print(json.dumps({"default_backend": "arrow", "results": results}))
+        print(json.dumps({"default_backend": "arrow", "parallel_gather": parallel, "results": results}))
         return
+    print(f"whole groups copied {'on ' + str(torch.get_num_threads()) + ' threads (numba)' if parallel else 'with numpy'}; "
+          f"torch threads: {torch.get_num_threads()}")
     print(f"{'workload':<11} {'op':<7} {'backend':<12} {'rows/s':>12} {'x memmap':>9}")
     for r in results:
         line = f"{r['workload']:<11} {r['op']:<7} {r['backend']:<12} {r['throughput']:>12.0f} {r['ratio_vs_memmap']:>9.2f}"

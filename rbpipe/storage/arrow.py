@@ -287,6 +287,10 @@ class ArrowStorage(GroupStorage):
             self._wholes[block] = (stop, out)
         return out
 
+    def _whole_table(self, block: int, first: int, stop: int) -> dict | None:
+        v = self._view(block)
+        return v if first == 0 and stop == v["__rows__"] else None
+
     def _on_move(self, rec: dict) -> None:
         self._views = {b: v for b, v in self._views.items() if self._block_locs[b][0] != rec.get("from")}
         self._wholes = {b: v for b, v in self._wholes.items() if b in self._views}

@@ -12,7 +12,6 @@ import os
 import socket
 import time
 import uuid
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -27,6 +26,7 @@ from rbpipe.errors import SchemaError, StoreError
 from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
                            VERSION_KEY)
 from rbpipe.storage.commitlog import CommitLog
+from rbpipe.storage.gather import concat_tables, whole_groups
 from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
 from rbpipe.storage.group_index import GroupIndex
 from rbpipe.storage.layout import (GroupColumns, Schema, from_storage_np, jagged_tensor, key_tuple, row_elements,
@@ -306,6 +306,20 @@ class GroupStorage(Storage):
 
     # -- reads --------------------------------------------------------------------------------------------
     def _rows(self, index) -> tuple[np.ndarray, bool]:
+        """``index`` as int64 rows (and whether it was a scalar). Integer tensors and arrays (what samplers
+        hand over) are read against the rows known at the last refresh, which ``len()`` does and a sampler
+        calls before it draws: an eviction in between does not shift the drawn rows under it. A row past
+        that snapshot, or any other kind of index, refreshes first."""
+        if isinstance(index, tuple) and len(index) == 1:
+            index = index[0]
+        if isinstance(index, (torch.Tensor, np.ndarray)) and index.ndim == 1:
+            if type(index) is torch.Tensor and index.dtype == torch.int64:
+                rows = index.numpy()  # a view, no conversion
+            else:
+                rows = np.asarray(torch.as_tensor(index).numpy(), dtype=np.int64)
+            if not rows.size or rows.view(np.uint64).max() < self._gindex.rows:  # one pass: negatives read huge
+                return rows, False
+            return self._in_range(rows, len(self)), False
         n = len(self)
         if isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0):
             rows, scalar = np.asarray([int(index)], np.int64), True
@@ -314,21 +328,20 @@ class GroupStorage(Storage):
         elif isinstance(index, range):
             rows, scalar = np.asarray(index, np.int64), False
         else:
-            if isinstance(index, tuple) and len(index) == 1:
-                index = index[0]
-            if type(index) is torch.Tensor and index.dtype == torch.int64 and index.ndim == 1:
-                rows = index.numpy()  # what samplers hand over: a view, no conversion
-            else:
-                rows = np.asarray(torch.as_tensor(index).reshape(-1).numpy(), dtype=np.int64)  # a view if int64
-            scalar = False
-        if rows.size and rows.view(np.uint64).max() >= n:  # one pass: a negative row reads as huge here
+            rows, scalar = np.asarray(torch.as_tensor(index).reshape(-1).numpy(), dtype=np.int64), False
+        return self._in_range(rows, n), scalar
+
+    @staticmethod
+    def _in_range(rows: np.ndarray, n: int) -> np.ndarray:
+        """``rows`` with negative rows counted from the end (a new array: the caller's is never modified)."""
+        if rows.size and rows.view(np.uint64).max() >= n:
             low = rows.min()
             if low < 0:
-                rows = np.where(rows < 0, rows + n, rows)  # a new array: the caller's index is never modified
+                rows = np.where(rows < 0, rows + n, rows)
                 low = rows.min()
             if low < 0 or rows.max() >= n:
                 raise IndexError(f"row index out of range for a store of {n} rows")
-        return rows, scalar
+        return rows
 
     def _gather_rows(self, rows: np.ndarray) -> dict[tuple, Any]:
         """Columns of ``rows``: fixed ones as one array, ragged ones as a list of (flat values, shapes)
@@ -339,6 +352,16 @@ class GroupStorage(Storage):
             parts = [self._gather(one[0], rows + one[1])]
             return {c.key: [p[c.key] for p in parts] if c.ragged else parts[0][c.key] for c in self._schema.columns}
         seqs, starts, stops, blocks, local = self._index()
+        groups = whole_groups(rows, starts, stops)
+        if groups is not None and len(groups) > 1:  # whole groups (what GRPO samples) of whole blocks: one
+            # multi-threaded copy (a single group is returned as views of its block below, without a copy)
+            n = stops[groups] - starts[groups]
+            tables = [self._whole_table(b, a, a + k)
+                      for b, a, k in zip(blocks[groups].tolist(), local[groups].tolist(), n.tolist())]
+            if None not in tables:
+                out = concat_tables(self._schema.columns, tables, len(rows))
+                if out is not None:
+                    return out
         g = np.searchsorted(stops, rows, side="right")
         blk = blocks[g]
         loc = rows - starts[g] + local[g]
@@ -349,8 +372,8 @@ class GroupStorage(Storage):
             runs = np.flatnonzero((np.diff(blk) != 0) | (np.diff(loc) != 1)) + 1
             if len(runs) < 64:
                 first, last = np.concatenate(([0], runs)), np.concatenate((runs, [len(rows)])) - 1
-                parts = [self._slice(b, a, z + 1)
-                         for b, a, z in zip(blk[first].tolist(), loc[first].tolist(), loc[last].tolist())]
+                spans = zip(blk[first].tolist(), loc[first].tolist(), (loc[last] + 1).tolist())
+                parts = [self._slice(b, a, z) for b, a, z in spans]
                 inv = None
             elif (blk == blk[0]).all():  # scattered rows of one block (a compacted store): one gather
                 parts, inv = [self._gather(int(blk[0]), loc)], None
@@ -388,9 +411,7 @@ class GroupStorage(Storage):
         except FileNotFoundError:  # a compaction removed a segment since our last refresh
             self._refresh()
             data = self._gather_rows(rows)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            td = self._to_td(data, len(rows))
+        td = self._to_td(data, len(rows))
         return td[0] if scalar else td
 
     def _to_td(self, data: dict, m: int) -> TensorDictBase:
@@ -494,6 +515,10 @@ class GroupStorage(Storage):
     def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
         """Columns of the consecutive rows ``first..stop`` of one block (backends override it with views)."""
         return self._gather(block, np.arange(first, stop), keys)
+    def _whole_table(self, block: int, first: int, stop: int) -> dict | None:
+        """The decoded table of ``block`` (as ``take_columns`` reads it) when rows ``first..stop`` are all of
+        it, else None: whole blocks are copied by ``gather.concat_tables``."""
+        return None
 
 
 def _concat(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

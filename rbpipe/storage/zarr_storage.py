@@ -339,6 +339,9 @@ class ZarrStorage(GroupStorage):
     def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
         return slice_columns(self._schema.columns_of(keys), self._cached_group(block), first - block, stop - block)
 
+    def _whole_table(self, block: int, first: int, stop: int) -> dict | None:
+        return self._cached_group(block) if first == block and stop - block == self._group_rows[block] else None
+
     def _cached_group(self, block: int) -> dict:
         group = self._cache.get(block)
         if group is None:

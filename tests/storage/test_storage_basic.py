@@ -227,3 +227,19 @@ def test_catalog_inspect_and_export(tmp_path):
     z = open_storage(tmp_path / "z")
     assert isinstance(z, ZarrStorage) and len(z) == 20
     assert torch.equal(z.get(13)["tokens", "response"], groups[3][1]["tokens", "response"])
+
+
+def test_rows_drawn_from_a_snapshot_read_without_refresh_and_new_rows_refresh(tmp_path):
+    """Samplers call len() and then get(index): rows within that snapshot are read as they were then; a row
+    committed since by another handle is found (the read refreshes) instead of raising out of range."""
+    writer = ArrowStorage(tmp_path / "s")
+    writer.append_group(llm_group(0))
+    reader = ArrowStorage(tmp_path / "s", create=False)
+    n = len(reader)
+    writer.append_group(llm_group(1))
+    first = reader.get(torch.arange(n))
+    assert first["group_id"].tolist() == [0] * n
+    newest = reader.get(torch.tensor([n, n + 1]))
+    assert newest["group_id"].tolist() == [1, 1] and len(reader) == 2 * n
+    with pytest.raises(IndexError, match="out of range"):
+        reader.get(torch.tensor([4 * n]))

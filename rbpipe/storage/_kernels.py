@@ -86,3 +86,18 @@ def gather_arrays(plans: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray
     for t in prange(tasks):
         _memcpy(task_dst[t], task_src[t], task_len[t])
     return buf, starts + shift, sizes
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def pad_rows(values: np.ndarray, row_bytes: np.ndarray, out: np.ndarray) -> None:
+    """Row ``i`` of ``out`` (``[rows, width]`` bytes) = the next ``row_bytes[i]`` bytes of ``values``, then
+    zeros: a ragged field right-padded to its longest row, rows spread over the threads."""
+    starts = np.empty(len(row_bytes), np.int64)
+    pos = 0
+    for i in range(len(row_bytes)):
+        starts[i] = pos
+        pos += row_bytes[i]
+    for i in prange(len(row_bytes)):
+        n = row_bytes[i]
+        out[i, :n] = values[starts[i]:starts[i] + n]
+        out[i, n:] = 0

@@ -26,7 +26,7 @@ from rbpipe.errors import SchemaError, StoreError
 from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
                            VERSION_KEY)
 from rbpipe.storage.commitlog import CommitLog
-from rbpipe.storage.gather import concat_tables, whole_groups
+from rbpipe.storage.gather import concat_tables, pad_ragged, whole_groups
 from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
 from rbpipe.storage.group_index import GroupIndex
 from rbpipe.storage.layout import (GroupColumns, Schema, from_storage_np, jagged_tensor, key_tuple, row_elements,
@@ -531,6 +531,11 @@ def _concat(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.
 def _pad(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged parts -> (``[m, *longest]`` tensor right-padded with zeros, first-dim lengths ``[m]``)."""
     trail = (2,) if col.complex else ()
+    if col.ndim == 1 and len(parts) == 1:  # one part (e.g. whole groups): rows padded in parallel
+        values, shapes = parts[0]
+        out = pad_ragged(values, shapes[:, 0], trail, col.np_dtype)
+        if out is not None:
+            return from_storage_np(out, col.dtype), torch.from_numpy(shapes[:, 0].copy())
     all_shapes = np.concatenate([s for _, s in parts]) if parts else np.zeros((0, col.ndim), np.int64)
     top = tuple(int(x) for x in all_shapes.max(0)) if m else (0,) * col.ndim
     out = np.zeros((m, *top, *trail), col.np_dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -42,8 +43,14 @@ def _env_enabled() -> bool:
 
 def _kernels():
     """The kernels module, imported and warmed once per process; None where the parallel path is off."""
-    if _state["pid"] == os.getpid():
-        return _state["kernels"] if _env_enabled() else None
+    if not _env_enabled():
+        return None
+    if _state["pid"] != os.getpid():
+        _load()
+    return _state["kernels"]
+
+
+def _load() -> None:
     with _lock:
         if _state["pid"] is None:
             kernels = None
@@ -54,16 +61,21 @@ def _kernels():
                 one = np.zeros((1, 2), np.int64)
                 kernels.gather_arrays(one, CHUNK_BYTES)  # compile, or load the on-disk cache
                 kernels.whole_group_positions(one[0], one[0], one[0])
+                kernels.pad_rows(one[0].view(np.uint8), one[0, :1], one.view(np.uint8))
                 if numba.threading_layer() == "workqueue":
                     kernels = None
                 _state["numba"] = numba
-            except ImportError:
-                pass
+            except ImportError:  # numba not installed: numpy, as documented
+                kernels = None
+            except Exception as err:  # e.g. no writable cache directory for the compiled kernels
+                warnings.warn(f"rbpipe reads whole groups with numpy (one core): numba's parallel copy could not "
+                              f"start ({type(err).__name__}: {err}). Set NUMBA_CACHE_DIR to a writable directory, "
+                              f"or {ENV}=0 to silence this.", RuntimeWarning, stacklevel=3)
+                kernels = None
             _state["kernels"] = kernels
         else:  # a forked child: the parent's OpenMP threads do not exist here
             _state["kernels"] = None
         _state["pid"] = os.getpid()
-    return _kernels()
 
 
 def parallel_available() -> bool:
@@ -77,6 +89,8 @@ def whole_groups(rows: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.
     kernels = _kernels()
     if kernels is None or not rows.size:
         return None
+    if not (rows.flags.c_contiguous and rows.flags.writeable):  # the compiled signature: no new compile
+        rows = rows.copy()
     found = kernels.whole_group_positions(rows, starts, stops)
     return found if found.size else None
 
@@ -116,10 +130,7 @@ def concat_tables(columns: Sequence, tables: Sequence[dict], rows: int) -> dict 
         if plan is None:
             return None
         plans.append(plan)
-    numba = _state["numba"]
-    want = max(1, min(_torch_threads(), numba.config.NUMBA_NUM_THREADS, MAX_THREADS))
-    if numba.get_num_threads() != want:
-        numba.set_num_threads(want)
+    _use_torch_threads()
     buf, starts, sizes = kernels.gather_arrays(np.stack(plans), CHUNK_BYTES)
     views = iter([buf[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist())])
     out: dict = {}
@@ -130,6 +141,31 @@ def concat_tables(columns: Sequence, tables: Sequence[dict], rows: int) -> dict 
         else:
             out[c.key] = next(views).view(c.np_dtype).reshape(rows, *c.shape, *((2,) if c.complex else ()))
     return out
+
+
+def pad_ragged(values: np.ndarray, lengths: np.ndarray, row_shape: tuple, out_dtype) -> np.ndarray | None:
+    """Rows of a 1-D ragged field (flat ``values``, one length per row) right-padded with zeros into a new
+    ``[rows, longest, *row_shape]`` array, rows copied in parallel; None when the parallel path is off."""
+    kernels = _kernels()
+    if kernels is None:
+        return None
+    _use_torch_threads()
+    width = int(lengths.max()) if lengths.size else 0
+    out = np.empty((len(lengths), width, *row_shape), out_dtype)
+    if out.size == 0:
+        return out
+    item = out.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    kernels.pad_rows(np.ascontiguousarray(values).reshape(-1).view(np.uint8), lengths * item,
+                     out.reshape(len(lengths), -1).view(np.uint8))
+    return out
+
+
+def _use_torch_threads() -> None:
+    """As many copy threads as torch uses for its own CPU ops (at most ``MAX_THREADS``)."""
+    numba = _state["numba"]
+    want = max(1, min(_torch_threads(), numba.config.NUMBA_NUM_THREADS, MAX_THREADS))
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
 
 
 def _torch_threads() -> int:

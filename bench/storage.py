@@ -219,8 +219,8 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps({"default_backend": "arrow", "parallel_gather": parallel, "results": results}))
         return
-    print(f"whole groups copied {'on ' + str(torch.get_num_threads()) + ' threads (numba)' if parallel else 'with numpy'}; "
-          f"torch threads: {torch.get_num_threads()}")
+    copier = f"on {torch.get_num_threads()} threads (numba)" if parallel else "with numpy (one core)"
+    print(f"whole groups copied {copier}; torch threads: {torch.get_num_threads()}")
     print(f"{'workload':<11} {'op':<7} {'backend':<12} {'rows/s':>12} {'x memmap':>9}")
     for r in results:
         line = f"{r['workload']:<11} {r['op']:<7} {r['backend']:<12} {r['throughput']:>12.0f} {r['ratio_vs_memmap']:>9.2f}"

@@ -515,6 +515,7 @@ class GroupStorage(Storage):
     def _slice(self, block: int, first: int, stop: int, keys=None) -> dict:
         """Columns of the consecutive rows ``first..stop`` of one block (backends override it with views)."""
         return self._gather(block, np.arange(first, stop), keys)
+
     def _whole_table(self, block: int, first: int, stop: int) -> dict | None:
         """The decoded table of ``block`` (as ``take_columns`` reads it) when rows ``first..stop`` are all of
         it, else None: whole blocks are copied by ``gather.concat_tables``."""

@@ -10,7 +10,8 @@ the 2-vCPU VMs this was measured on, more than the copy saves).
 The numpy path (one ``np.concatenate`` per field) is used instead when numba is not installed, when numba
 ended up on its ``workqueue`` layer (sleeping workers), in a forked child of the process that started the
 threads (GNU OpenMP is not fork-safe), and when ``RBPIPE_PARALLEL_GATHER=0``. Both paths return the same
-bytes (``tests/storage/test_gather.py``).
+bytes (``tests/storage/test_gather.py``). ``pad_ragged`` fills the rows of ``ragged_layout="padded"`` reads
+the same way.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def concat_tables(columns: Sequence, tables: Sequence[dict], rows: int) -> dict 
     return out
 
 
-def pad_ragged(values: np.ndarray, lengths: np.ndarray, row_shape: tuple, out_dtype) -> np.ndarray | None:
+def pad_ragged(values: np.ndarray, lengths: np.ndarray, row_shape: tuple, out_dtype: np.dtype
+               ) -> np.ndarray | None:
     """Rows of a 1-D ragged field (flat ``values``, one length per row) right-padded with zeros into a new
     ``[rows, longest, *row_shape]`` array, rows copied in parallel; None when the parallel path is off."""
     kernels = _kernels()
@@ -155,6 +157,8 @@ def pad_ragged(values: np.ndarray, lengths: np.ndarray, row_shape: tuple, out_dt
     if out.size == 0:
         return out
     item = out.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    if values.nbytes != int(lengths.sum()) * item:  # the kernel does not bounds-check: refuse a mismatch
+        raise ValueError(f"ragged values hold {values.nbytes} bytes, their row lengths say {int(lengths.sum()) * item}")
     kernels.pad_rows(np.ascontiguousarray(values).reshape(-1).view(np.uint8), lengths * item,
                      out.reshape(len(lengths), -1).view(np.uint8))
     return out

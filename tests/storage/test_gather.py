@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import select
+import time
 
 import numpy as np
 import pytest
@@ -192,3 +193,60 @@ def test_a_forked_child_reads_with_numpy_and_does_not_hang(tmp_path):
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
+
+
+def _member(gid: int, i: int) -> TensorDict:
+    """Member ``i`` of group ``gid``: every value derived from (gid, i), so a reader can check any row."""
+    L = 20 + 7 * i + gid % 5
+    return TensorDict({"group_id": torch.tensor(gid), "member": torch.tensor(i),
+                       "tokens": {"response": torch.full((L,), gid, dtype=torch.int64)},
+                       "log_probs": {"rollout": torch.full((L,), gid + i / 10)}}, batch_size=[])
+
+
+def _append_forever(path: str) -> None:
+    store = ArrowStorage(path, create=False, max_size=4 * 12)  # retention: old groups are evicted meanwhile
+    gid = 0
+    while True:
+        store.append_group(lazy_stack([_member(gid, i) for i in range(4)], 0))
+        gid += 1
+
+
+@pytest.mark.timeout(120)
+def test_whole_groups_read_while_another_process_appends_and_evicts(tmp_path, monkeypatch):
+    """The copy reads raw addresses of mapped segments: while a writer grows its segment (remapped by the
+    reader) and evicts old groups, every sampled group must still come back whole and exact."""
+    import multiprocess
+
+    path = tmp_path / "s"
+    store = ArrowStorage(path, ragged_keys=[("tokens", "response"), ("log_probs", "rollout")])
+    store.append_group(lazy_stack([_member(10_000, i) for i in range(4)], 0))
+    proc = multiprocess.get_context("spawn").Process(target=_append_forever, args=(str(path),), daemon=True)
+    proc.start()
+    calls = _count_parallel_copies(monkeypatch)
+    rng = np.random.default_rng(0)
+    checked = 0
+    try:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline or checked < 50:
+            assert proc.is_alive(), "the writer died"
+            assert time.monotonic() < deadline + 60, "too few samples of several groups"
+            len(store)  # refresh, as a sampler does before it draws
+            spans = store.group_spans().numpy()
+            if len(spans) < 3:
+                continue
+            picks = rng.choice(len(spans), size=3, replace=False)
+            index = torch.from_numpy(np.concatenate([np.arange(a, b) for _, a, b in spans[picks]]))
+            td = store.get(index)
+            gids = td["group_id"].tolist()
+            members = td["member"].tolist()
+            tokens, log_probs = td["tokens", "response"].unbind(), td["log_probs", "rollout"].unbind()
+            for k, (gid, member) in enumerate(zip(gids, members)):
+                want = _member(gid, member)
+                assert torch.equal(tokens[k], want["tokens", "response"])
+                assert torch.equal(log_probs[k], want["log_probs", "rollout"])
+            assert [gids[j * 4] for j in range(3)] == [gids[j * 4 + 3] for j in range(3)]  # whole groups
+            checked += 1
+    finally:
+        proc.kill()
+        proc.join(10)
+    assert calls, "no sample took the parallel copy"

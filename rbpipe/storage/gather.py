@@ -22,6 +22,7 @@ import warnings
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from rbpipe.errors import ConfigError
 
@@ -167,11 +168,6 @@ def pad_ragged(values: np.ndarray, lengths: np.ndarray, row_shape: tuple, out_dt
 def _use_torch_threads() -> None:
     """As many copy threads as torch uses for its own CPU ops (at most ``MAX_THREADS``)."""
     numba = _state["numba"]
-    want = max(1, min(_torch_threads(), numba.config.NUMBA_NUM_THREADS, MAX_THREADS))
+    want = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, MAX_THREADS))
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
-
-
-def _torch_threads() -> int:
-    import torch
-    return torch.get_num_threads()

@@ -15,6 +15,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from rbpipe.errors import SchemaError
+from rbpipe.schema import numpy_view
 
 try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
     from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (~4x cheaper per call)
@@ -39,8 +40,6 @@ _DTYPES: dict[torch.dtype, tuple[str, np.dtype]] = {
     torch.complex128: ("complex128", np.dtype(np.float64)),
 }
 _BY_NAME = {name: (dt, npdt) for dt, (name, npdt) in _DTYPES.items()}
-_NUMPY_NATIVE = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                           torch.float32, torch.float64})
 
 
 def key_tuple(key: NestedKey) -> tuple[str, ...]:
@@ -55,8 +54,9 @@ def column_name(key: NestedKey) -> str:
 def to_storage_np(t: torch.Tensor) -> np.ndarray:
     """Tensor -> numpy array in the storage dtype (bool as uint8, bfloat16 bits as uint16, complex as
     a trailing [..., 2] of reals)."""
-    if t.dtype in _NUMPY_NATIVE and not t.requires_grad and t.device.type == "cpu":
-        return t.numpy()  # the common case, without the copies of the tensor object made below
+    view = numpy_view(t)  # the common case, a plain CPU tensor: no copies of the tensor object made below
+    if view is not None:
+        return view.view(np.uint8) if view.dtype == np.bool_ else view
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
         return t.contiguous().view(torch.int16).numpy().view(np.uint16)

@@ -19,6 +19,11 @@ class StoreError(RbpipeError):
     """A store cannot be opened or written (not a store, incompatible version, locked, read-only)."""
 
 
+class StaleReadError(StoreError):
+    """Rows drawn against an earlier view of the store belong to groups that were evicted (and their data
+    deleted) since: nothing was returned. Refresh (``len(storage)``) and draw again."""
+
+
 class StoreLockedError(StoreError):
     """Another live process holds the store's writer lock."""
 
@@ -29,3 +34,7 @@ class ManagerDiedError(RbpipeError, RuntimeError):
 
 class ConfigError(RbpipeError, ValueError):
     """An impossible or inconsistent configuration."""
+
+
+class NotAGroupError(SchemaError, TypeError):
+    """What was handed to a store is not a group (a TensorDict with one batch dimension)."""

@@ -16,7 +16,10 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from rbpipe.errors import StaleReadError
 from rbpipe.schema import VERSION_KEY
+
+REDRAWS = 8  # draws tried when the drawn groups keep being evicted before they are read
 
 
 class FreshGroupSampler(Sampler):
@@ -53,6 +56,14 @@ class FreshGroupSampler(Sampler):
 
         Staleness only grows (``consumer_version`` never decreases), so a group found stale stays stale.
         """
+        for _ in range(REDRAWS):
+            try:
+                return self._fresh_spans_once(storage)
+            except StaleReadError:  # the versions' groups were evicted under us: look again
+                continue
+        return self._fresh_spans_once(storage)
+
+    def _fresh_spans_once(self, storage: Storage) -> torch.Tensor:
         spans = storage.group_spans()
         spans = spans[spans[:, 0] >= self._watermark]
         if spans.numel() == 0:
@@ -91,6 +102,27 @@ class FreshGroupSampler(Sampler):
         return self.available_groups(storage) >= self.num_groups
 
     def sample(self, storage: Storage, batch_size: int | None = None) -> tuple[torch.Tensor, dict]:
+        """Draw, then have the storage open what the draw reads (``hold``), so that the buffer's
+        ``storage.get(index)`` that follows needs no file an evictor may delete meanwhile. Groups evicted
+        between the draw and the hold make the hold raise :class:`StaleReadError`: draw again."""
+        for _ in range(REDRAWS):
+            chosen = self._draw(storage)
+            index = torch.cat([torch.arange(int(s), int(e)) for _, s, e in chosen.tolist()])
+            try:
+                if hasattr(storage, "hold"):
+                    storage.hold(index)
+            except StaleReadError:
+                continue  # nothing was consumed yet
+            if self.consume:
+                self._done.update(int(s) for s in chosen[:, 0].tolist())
+                self.consumed_groups += self.num_groups
+                self._advance_watermark(storage)
+            return index, {"group_seq": chosen[:, 0].clone(), "group_spans": chosen.clone()}
+        raise StaleReadError(f"the groups drawn were evicted before they could be read, {REDRAWS} times in a row: "
+                             "retention evicts faster than this learner samples; raise max_size")
+
+    def _draw(self, storage: Storage) -> torch.Tensor:
+        """The spans of ``num_groups`` fresh groups: the oldest (consume) or random ones."""
         fresh = self._fresh_spans(storage)
         if fresh.shape[0] < self.num_groups:
             raise RuntimeError(
@@ -98,15 +130,8 @@ class FreshGroupSampler(Sampler):
                 "check can_sample() first or wait for the collectors"
             )
         if self.consume:
-            chosen = fresh[: self.num_groups]
-            self._done.update(int(s) for s in chosen[:, 0].tolist())
-            self.consumed_groups += self.num_groups
-            self._advance_watermark(storage)
-        else:
-            pick = torch.randperm(fresh.shape[0], generator=self._rng)[: self.num_groups]
-            chosen = fresh[pick]
-        index = torch.cat([torch.arange(int(s), int(e)) for _, s, e in chosen.tolist()])
-        return index, {"group_seq": chosen[:, 0].clone(), "group_spans": chosen.clone()}
+            return fresh[: self.num_groups]
+        return fresh[torch.randperm(fresh.shape[0], generator=self._rng)[: self.num_groups]]
 
     # -- torchrl Sampler plumbing ------------------------------------------------------------------------------
     def _empty(self) -> None:

@@ -6,16 +6,39 @@ See ``docs/FORMAT.md`` for the on-disk layout.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
-from rbpipe.storage.arrow import ArrowStorage
-from rbpipe.storage.base import GroupStorage
-from rbpipe.storage.catalog import export_zarr, inspect_store, read_catalog
+from rbpipe.storage.collate import collate_identity
 from rbpipe.storage.format import FORMAT_VERSION, read_meta
-from rbpipe.storage.lock import WriterLock
-from rbpipe.storage.writer import GroupWriter
-from rbpipe.storage.zarr_storage import ZarrStorage
 
-BACKENDS = {"arrow": ArrowStorage, "zarr": ZarrStorage}
+if TYPE_CHECKING:
+    from rbpipe.storage.base import GroupStorage
+
+# Imported on first use (PEP 562): the catalogue, ``rbpipe inspect`` and ``rbpipe query`` read a store
+# without torch, whose import alone costs seconds.
+_LAZY = {"ArrowStorage": "rbpipe.storage.arrow", "ZarrStorage": "rbpipe.storage.zarr_storage",
+         "GroupStorage": "rbpipe.storage.base", "GroupWriter": "rbpipe.storage.writer",
+         "WriterLock": "rbpipe.storage.lock", "read_catalog": "rbpipe.storage.catalog",
+         "inspect_store": "rbpipe.storage.catalog", "export_zarr": "rbpipe.storage.catalog"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def backends() -> dict[str, type]:
+    """Backend name (as in ``rbpipe-store.json``) -> storage class."""
+    from rbpipe.storage.arrow import ArrowStorage
+    from rbpipe.storage.zarr_storage import ZarrStorage
+
+    return {"arrow": ArrowStorage, "zarr": ZarrStorage}
 
 
 def open_storage(path: str | os.PathLike, **kwargs) -> GroupStorage:
@@ -23,13 +46,26 @@ def open_storage(path: str | os.PathLike, **kwargs) -> GroupStorage:
     meta = read_meta(path)
     opts = meta.get("options", {})
     kwargs.setdefault("ragged_keys", [tuple(k) for k in opts.get("ragged_keys", [])])
-    return BACKENDS[meta["backend"]](path, create=False, **kwargs)
+    return backends()[meta["backend"]](path, create=False, **kwargs)
 
 
-def collate_identity(data):
-    """``collate_fn`` for a plain ``ReplayBuffer`` over these storages (torchrl has no default for them)."""
-    return data
+def group_buffer(storage: GroupStorage | str | os.PathLike, **kwargs):
+    """A torchrl ``ReplayBuffer`` over a group store with the writer such a store needs: ``GroupWriter``
+    (each ``add``/``extend`` commits one whole group). torchrl's default ``RoundRobinWriter`` writes at row
+    positions it counts itself, which an append-only store cannot honour once it evicts or another
+    process appends. ``storage`` may be a store's path (opened, never created); ``kwargs`` (sampler,
+    batch_size, transform, ...) go to ``ReplayBuffer``."""
+    from torchrl.data import ReplayBuffer
+
+    from rbpipe.storage.base import GroupStorage
+    from rbpipe.storage.writer import GroupWriter
+
+    if not isinstance(storage, GroupStorage):
+        storage = open_storage(storage)
+    kwargs.setdefault("writer", GroupWriter())
+    kwargs.setdefault("collate_fn", collate_identity)
+    return ReplayBuffer(storage=storage, **kwargs)
 
 
 __all__ = ["ArrowStorage", "ZarrStorage", "GroupWriter", "WriterLock", "open_storage", "read_catalog",
-           "inspect_store", "export_zarr", "FORMAT_VERSION", "GroupStorage", "collate_identity"]
+           "inspect_store", "export_zarr", "FORMAT_VERSION", "GroupStorage", "collate_identity", "group_buffer"]

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from rbpipe.storage.base import GroupStorage, pid_alive, writer_id
+from rbpipe.storage.base import UNBOUNDED, GroupStorage, pid_alive, writer_id
 from rbpipe.storage.format import SEGMENTS_DIR
 from rbpipe.storage.layout import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
+from rbpipe.storage.retention import owner_alive, roll_bytes
 
 SEALED = ".arrows"
 IN_PROGRESS = ".arrows.inprogress"
@@ -117,7 +118,10 @@ class ArrowStorage(GroupStorage):
 
     Keyword Args:
         max_size: live rows kept (oldest whole groups are evicted beyond it); None = unbounded.
-        max_bytes: same, in bytes of group data.
+        max_bytes: same, in bytes of group data. With either, evicted groups' files are deleted too: the
+            segment files hold at most ``2 L + (W + 1) (R + G)`` bytes (``L`` live bytes, ``G`` the largest
+            group, ``W`` writer processes, ``R = max(256 KiB, L / 8)`` the size at which a writer starts a
+            new segment; docs/FORMAT.md, "Retention and disk").
         ragged_keys: keys whose per-row shape varies (also detected from the first write).
         ragged_layout: how reads return ragged keys: ``"nested"`` (jagged ``torch.nested`` tensors: one values
             tensor plus offsets per field, no padding; the default when every ragged field is 1-D and real),
@@ -146,6 +150,10 @@ class ArrowStorage(GroupStorage):
         self._wname = None
         self._wpos = 0
         self._wbatches = 0
+        self._seg_live: dict[str, int] = {}  # segment -> live groups in it
+        self._seg_end: dict[str, int] = {}  # segment -> end of its last committed batch (evicted ones too)
+        self._swept = True  # no segment lost its last live group since the last sweep
+        self._evictions = 0
 
     def _on_schema(self, schema: Schema) -> None:
         self._pschema = arrow_schema(schema)
@@ -206,6 +214,15 @@ class ArrowStorage(GroupStorage):
 
     def _writer_name(self) -> str:
         return self._wname or super()._writer_name()
+
+    def _after_commit(self) -> None:
+        """In a store that evicts (this handle's retention, or another's: some group was evicted), seal this
+        process's segment once it holds ``roll_bytes`` (an eighth of the live bytes, at least 256 KiB): its
+        groups' bytes are freed with the file once they are all evicted."""
+        if self._stream is None or self._wpos < roll_bytes(self._live_bytes):
+            return
+        if self.max_size != UNBOUNDED or self.max_bytes is not None or self._evicted_upto >= 0:
+            self._seal()
 
     # -- reading ------------------------------------------------------------------------------------------
     def _block_id(self, loc: dict, n: int) -> int:
@@ -291,6 +308,23 @@ class ArrowStorage(GroupStorage):
         v = self._view(block)
         return v if first == 0 and stop == v["__rows__"] else None
 
+    def _on_commit(self, rec: dict) -> None:
+        loc = rec["loc"]
+        self._seg_end[loc["seg"]] = max(self._seg_end.get(loc["seg"], 0), loc["off"] + loc["len"])
+
+    def _on_live(self, loc: dict, delta: int) -> None:
+        name = loc["seg"]
+        left = self._seg_live[name] = self._seg_live.get(name, 0) + delta
+        if left <= 0:  # let go of its map (a deleted file's disk space is freed once nobody maps it)
+            del self._seg_live[name]
+            self._swept = False
+            if self._segments.pop(name, None) is not None:
+                self._views = {b: v for b, v in self._views.items() if self._block_locs[b][0] != name}
+                self._wholes = {b: v for b, v in self._wholes.items() if b in self._views}
+
+    def _hold_block(self, block: int) -> None:
+        self._view(block)
+
     def _on_move(self, rec: dict) -> None:
         self._views = {b: v for b, v in self._views.items() if self._block_locs[b][0] != rec.get("from")}
         self._wholes = {b: v for b, v in self._wholes.items() if b in self._views}
@@ -299,10 +333,7 @@ class ArrowStorage(GroupStorage):
     def check_tail(self) -> dict:
         """Report data that is on disk but not committed (never served): dead writers' uncommitted tails."""
         out = super().check_tail()
-        committed_end: dict[str, int] = {}
-        for r in self._groups.values():
-            loc = r["loc"]
-            committed_end[loc["seg"]] = max(committed_end.get(loc["seg"], 0), loc["off"] + loc["len"])
+        committed_end = self._seg_end  # evicted groups' batches were committed too
         torn = []
         for p in self._seg_dir.glob("*" + IN_PROGRESS):
             name = p.name[: -len(IN_PROGRESS)]
@@ -320,18 +351,22 @@ class ArrowStorage(GroupStorage):
         out["dead_segments_with_uncommitted_bytes"] = torn
         return out
 
+    def _maintenance_lock(self) -> int:
+        """An open descriptor of ``.compact.lock``: compaction holds it throughout, and evictors delete
+        segment files only while holding it, so neither deletes what the other is about to reference."""
+        return os.open(self.path / ".compact.lock", os.O_RDWR | os.O_CREAT, 0o644)
+
     def compact(self) -> int:
         """Rewrite the live groups of sealed segments into one sealed segment of one batch.
 
         Returns the number of groups moved. Random-row reads then touch one batch. Concurrent compactions
-        are skipped (a lock file), writers are not blocked; old segments are deleted after the commit.
+        run one after the other (the second finds little to do); writers are not blocked; old segments are
+        deleted after the ``move`` record. Evictors delete no segment file while this runs (the lock): the
+        new file is unreferenced until the record is written, and the old ones are being read.
         """
-        lock_fd = os.open(self.path / ".compact.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = self._maintenance_lock()
         try:
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return 0
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self._refresh()
             if self._schema is None:
                 return 0
@@ -339,42 +374,11 @@ class ArrowStorage(GroupStorage):
             recs = [r for r in self._groups.values() if r["loc"]["seg"] in sealed]
             if not recs or len({(r["loc"]["seg"], r["loc"]["off"]) for r in recs}) == 1:
                 return 0
-            from rbpipe.storage.layout import GroupColumns as GC
-            merged = GC(n=0)
-            parts = []
-            rowpos = 0
-            moves = []
-            for r in recs:
-                b = self._block_id(r["loc"], r["n"])
-                rows = np.arange(r["loc"]["row"], r["loc"]["row"] + r["n"])
-                parts.append(self._gather(b, rows))
-                moves.append([r["seq"], rowpos])
-                rowpos += r["n"]
-            merged.n = rowpos
-            for c in self._schema.columns:
-                if c.ragged:
-                    merged.ragged[c.key] = (np.concatenate([p[c.key][0] for p in parts]),
-                                            np.concatenate([p[c.key][1] for p in parts]))
-                else:
-                    merged.fixed[c.key] = np.concatenate([p[c.key] for p in parts])
-            name = "compact-" + _wid()
-            head = self._pschema.serialize()
-            body = to_record_batch(merged, self._schema, self._pschema).serialize()
-            tmp = self._seg_dir / (name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(body)
-                f.write(EOS)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, self._seg_dir / (name + SEALED))
-            loc0 = {"seg": name, "off": head.size, "len": body.size, "batch": 0}
+            name, loc0, moves = self._write_compacted(recs)
             self._log.append(lambda seq: {"t": "move", "time": time.time(),
                                           "groups": [[s, dict(loc0, row=row)] for s, row in moves]},
                              self._apply)
-            old = {r["loc"]["seg"] for r in recs} - {name}
-            live = {r["loc"]["seg"] for r in self._groups.values()}
-            for seg in old - live:
+            for seg in {r["loc"]["seg"] for r in recs} - {name} - set(self._seg_live):
                 (self._seg_dir / (seg + SEALED)).unlink(missing_ok=True)
                 self._segments.pop(seg, None)
             self._views, self._wholes = {}, {}
@@ -382,15 +386,74 @@ class ArrowStorage(GroupStorage):
         finally:
             os.close(lock_fd)
 
+    def _write_compacted(self, recs: list[dict]) -> tuple[str, dict, list[list[int]]]:
+        """Write the groups ``recs`` as one batch of a new sealed segment (tmp file, fsync, rename):
+        (its name, the loc of the batch, [seq, first row in the batch] per group)."""
+        from rbpipe.storage.layout import GroupColumns as GC
+        merged = GC(n=0)
+        parts = []
+        rowpos = 0
+        moves = []
+        for r in recs:
+            b = self._block_id(r["loc"], r["n"])
+            rows = np.arange(r["loc"]["row"], r["loc"]["row"] + r["n"])
+            parts.append(self._gather(b, rows))
+            moves.append([r["seq"], rowpos])
+            rowpos += r["n"]
+        merged.n = rowpos
+        for c in self._schema.columns:
+            if c.ragged:
+                merged.ragged[c.key] = (np.concatenate([p[c.key][0] for p in parts]),
+                                        np.concatenate([p[c.key][1] for p in parts]))
+            else:
+                merged.fixed[c.key] = np.concatenate([p[c.key] for p in parts])
+        name = "compact-" + _wid()
+        head = self._pschema.serialize()
+        body = to_record_batch(merged, self._schema, self._pschema).serialize()
+        tmp = self._seg_dir / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.write(body)
+            f.write(EOS)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, self._seg_dir / (name + SEALED))
+        return name, {"seg": name, "off": head.size, "len": body.size, "batch": 0}, moves
+
     def _after_evict(self) -> None:
-        """Delete sealed segments that hold no live group any more."""
-        live = {r["loc"]["seg"] for r in self._groups.values()}
-        if self._wname:
-            live.add(self._wname)
-        for p in self._seg_dir.glob("*" + SEALED):
-            name = p.name[: -len(SEALED)]
-            if name not in live:
-                p.unlink(missing_ok=True)
+        """Delete segment files that hold no live group: sealed ones (this process's open one aside), dead
+        writers' in-progress ones and dead compactions' leftovers. Runs when a segment lost its last live
+        group (and every 64th eviction, for files no record names); skipped while a compaction holds the
+        lock (the next eviction deletes them)."""
+        self._evictions += 1
+        if self._swept and self._evictions % 64:
+            return
+        lock_fd = self._maintenance_lock()
+        try:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            # list, and tell dead writers' files, *before* reading the log: a file sealed before the listing,
+            # or a writer dead before the check, has all its commits in the log by the refresh
+            done = [(fname, name) for fname, name in map(self._finished, os.listdir(self._seg_dir)) if name]
+            self._refresh()
+            self._swept = True
+            for fname, name in done:
+                if name not in self._seg_live and name != self._wname:
+                    (self._seg_dir / fname).unlink(missing_ok=True)
+        finally:
+            os.close(lock_fd)
+
+    @staticmethod
+    def _finished(fname: str) -> tuple[str, str | None]:
+        """``(fname, segment name)`` when nobody will write to the segment file ``fname`` any more: sealed,
+        or in progress (or a compaction's ``.tmp``) of a writer that is dead; else ``(fname, None)``."""
+        for suffix, sealed in ((SEALED, True), (IN_PROGRESS, False), (".tmp", False)):
+            if fname.endswith(suffix):
+                name = fname[: -len(suffix)]
+                return fname, name if sealed or not owner_alive(name.removeprefix("compact-")) else None
+        return fname, None
 
 
 def _wid() -> str:

@@ -22,9 +22,10 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.procs import pid_alive  # noqa: F401 - re-exported for storage modules
-from rbpipe.errors import SchemaError, StoreError
+from rbpipe.errors import SchemaError, StaleReadError, StoreError
 from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
                            VERSION_KEY)
+from rbpipe.storage.collate import register_default_collate
 from rbpipe.storage.commitlog import CommitLog
 from rbpipe.storage.gather import concat_tables, pad_ragged, whole_groups
 from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
@@ -112,27 +113,45 @@ class GroupStorage(Storage):
                 self._schema = Schema.from_json(rec["schema"])
                 self._on_schema(self._schema)
             elif kind == "group":
+                if self._schema is None:
+                    raise self._no_schema_error()
                 if "cid" in rec:
                     self._commit_ids.add(rec["cid"])
                 self._member_ids.update(rec.get("mids", ()))
+                self._on_commit(rec)
                 if rec["seq"] <= self._evicted_upto:
                     continue
                 self._groups[rec["seq"]] = rec
                 self._gindex.append(rec["seq"], rec["n"], self._block_id(rec["loc"], rec["n"]),
                                     rec["loc"].get("row", 0))
                 self._live_bytes += rec["bytes"]
+                self._on_live(rec["loc"], 1)
             elif kind == "evict":
                 self._evicted_upto = max(self._evicted_upto, rec["upto"])
                 while self._groups and next(iter(self._groups)) <= rec["upto"]:
-                    self._live_bytes -= self._groups.popitem(last=False)[1]["bytes"]
+                    gone = self._groups.popitem(last=False)[1]
+                    self._live_bytes -= gone["bytes"]
+                    self._on_live(gone["loc"], -1)
                 self._gindex.evict_upto(rec["upto"])
             elif kind == "move":
                 for seq, loc in rec["groups"]:
                     if int(seq) in self._groups:
+                        self._on_live(loc, 1)
+                        self._on_live(self._groups[int(seq)]["loc"], -1)
                         self._groups[int(seq)] = dict(self._groups[int(seq)], loc=loc)
                 self._gindex.relocate(lambda seq: (self._block_id(self._groups[seq]["loc"], self._groups[seq]["n"]),
                                                    self._groups[seq]["loc"].get("row", 0)))
                 self._on_move(rec)
+
+    def _no_schema_error(self) -> StoreError:
+        """A group line with no valid schema line before it: the schema line was damaged after it was written
+        (a writer killed mid-line is followed by a new schema line). Serving the store would say it is empty
+        while groups are committed, and the next write would commit a second, possibly different, schema."""
+        where = ("every segment's Arrow schema metadata 'rbpipe.schema'" if self.backend == "arrow"
+                 else "the 'schema' attribute of data.zarr/zarr.json")
+        return StoreError(f"the commit log {str(self.path / COMMIT_LOG)!r} has committed groups but its schema line "
+                          f"is unreadable ({self._log.torn_lines} damaged line(s)); restore {COMMIT_LOG} from a "
+                          f"backup (a copy of the schema is in {where}) before using this store")
 
     def _write_error(self, err: OSError) -> StoreError:
         """A failed write in plain words; what was half-written is unreachable (no commit line)."""
@@ -182,6 +201,12 @@ class GroupStorage(Storage):
     def schema(self) -> Schema | None:
         self._refresh()
         return self._schema
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of group data in the live groups (what ``max_bytes`` limits; the disk bound is stated in it)."""
+        self._refresh()
+        return self._live_bytes
 
     # -- writes -------------------------------------------------------------------------------------------
     def append_group(self, td: TensorDictBase, *, commit_id: str | None = None,
@@ -234,6 +259,9 @@ class GroupStorage(Storage):
         return torch.arange(start, start + cols.n)
 
     def _retain(self) -> None:
+        """Evict the oldest groups beyond ``max_size``/``max_bytes`` and free their files (the disk bound of
+        docs/FORMAT.md, "Retention and disk", holds after every commit)."""
+        self._after_commit()
         if self.max_size == UNBOUNDED and self.max_bytes is None:
             return
 
@@ -255,35 +283,61 @@ class GroupStorage(Storage):
             self._after_evict()
 
     def _catalog_values(self, cols: GroupColumns) -> dict[str, list]:
+        from rbpipe.storage.catalog import json_numbers, summable
+
         out = {}
         for name, (key, red) in self.catalog_columns.items():
             if key in cols.fixed:
-                a = cols.fixed[key]
+                a = summable(cols.fixed[key], self._schema.by_key[key].dtype)
                 if red == "value":
-                    out[name] = a.reshape(cols.n, -1).sum(1).tolist()
+                    wide = np.float64 if a.dtype.kind == "f" else None  # float16 sums overflow in float16
+                    out[name] = a.reshape(cols.n, -1).sum(1, dtype=wide).tolist()
                 else:
-                    out[name] = [a.shape[1] if a.ndim > 1 else 1] * cols.n
+                    shape = self._schema.by_key[key].shape
+                    out[name] = [shape[0] if shape else 1] * cols.n
             elif key in cols.ragged:
                 values, shapes = cols.ragged[key]
                 if red == "length":
                     out[name] = shapes[:, 0].tolist() if shapes.shape[1] else [1] * cols.n
                 else:
                     sizes = row_elements(shapes)
-                    flat = values.reshape(-1)
+                    flat = summable(values.reshape(-1), self._schema.by_key[key].dtype)
                     sizes = sizes * (flat.size // max(int(sizes.sum()), 1))
                     csum = np.concatenate([[0], np.cumsum(flat, dtype=np.float64 if flat.dtype.kind == "f"
                                                           else np.int64)])
                     ends = np.cumsum(sizes)
                     out[name] = (csum[ends] - csum[ends - sizes]).tolist()
-        return out
+        return {name: json_numbers(v) for name, v in out.items()}
 
     def set(self, cursor, data, *, set_cursor: bool = True):
-        """torchrl writer entry point. The store is append-only: only writing at the end is allowed."""
-        idx = torch.as_tensor(cursor).reshape(-1) if not isinstance(cursor, slice) else None
-        if idx is not None and idx.numel() and int(idx[0]) != len(self):
-            raise StoreError(f"{type(self).__name__} is append-only and cannot overwrite rows {idx.tolist()[:4]}"
-                             "...; use rbpipe.storage.GroupWriter as the buffer's writer")
+        """torchrl writer entry point. The store is append-only: only the rows right after the last one may
+        be written (one new group); any other position (a slice included) is refused before anything is
+        written, since silently appending would put the data somewhere the caller did not ask for."""
+        from rbpipe.storage.layout import check_group
+
+        data = check_group(data)
+        n = len(self)
+        refused = self._not_at_end(cursor, n)
+        if refused:
+            raise StoreError(f"{type(self).__name__} is append-only: cannot write rows {refused}, only one new "
+                             f"group at the end (from row {n}); build the buffer with "
+                             "writer=rbpipe.storage.GroupWriter() (torchrl's default RoundRobinWriter cycles "
+                             "through row positions) or with rbpipe.storage.group_buffer(...)")
         return self.append_group(data if data.ndim else data.unsqueeze(0))
+
+    @staticmethod
+    def _not_at_end(cursor, n: int) -> str:
+        """The rows ``cursor`` names, shown, unless they are ``n, n+1, ...`` (the end of a store of ``n``
+        rows; a slice must start there and step by 1); "" when they are."""
+        if isinstance(cursor, slice):
+            if (cursor.start or 0) == n and cursor.step in (None, 1):
+                return ""
+            text = ":".join("" if x is None else str(x) for x in (cursor.start, cursor.stop, cursor.step))
+            return f"[{text.rstrip(':') or ':'}]"
+        rows = torch.as_tensor(cursor).reshape(-1).tolist()
+        if rows == list(range(n, n + len(rows))):
+            return ""
+        return str(rows[:4])[:-1] + (", ...]" if len(rows) > 4 else "]")
 
     def flush_catalog(self) -> None:
         """Write pending catalogue rows as one parquet file (tmp name, then rename)."""
@@ -406,11 +460,7 @@ class GroupStorage(Storage):
         rows, scalar = self._rows(index)
         if self._schema is None:
             raise IndexError("the store is empty")
-        try:
-            data = self._gather_rows(rows)
-        except FileNotFoundError:  # a compaction removed a segment since our last refresh
-            self._refresh()
-            data = self._gather_rows(rows)
+        data = self._read_snapshot(self._gather_rows, rows)
         td = self._to_td(data, len(rows))
         return td[0] if scalar else td
 
@@ -438,15 +488,62 @@ class GroupStorage(Storage):
                 per_row[c.key] = _ragged_rows(data[c.key], c)
         return LazyStackedTensorDict(*_row_tensordicts(_nest(per_row), m), stack_dim=0)
 
-    def read_column(self, key: NestedKey, rows=None) -> torch.Tensor:
-        """A fixed-shape column (all live rows, or ``rows``) as one tensor; the samplers' fast path."""
-        key = key_tuple(key)
+    def _read_snapshot(self, read, rows: np.ndarray):
+        """``read(rows)``, where ``rows`` number the live groups of the last refresh. If a file is gone, a
+        compaction moved those groups (refresh: they are read where they are now) or an eviction deleted
+        them (:class:`StaleReadError`): never the same row numbers under a newer numbering, which would be
+        other groups."""
+        for _ in range(3):
+            try:
+                return read(rows)
+            except FileNotFoundError:
+                rows = self._remap(rows)
+        raise StaleReadError(f"the groups read from {self.path} kept moving (compactions); draw again")
+
+    def _remap(self, rows: np.ndarray) -> np.ndarray:
+        """Refresh, and return where the groups of ``rows`` (numbered before it) are now; StaleReadError
+        when one of them was evicted since."""
+        seqs, starts, stops = self._index()[:3]
+        g = np.searchsorted(stops, rows, side="right")
+        want, offset = seqs[g], rows - starts[g]
         self._refresh()
+        seqs, starts = self._index()[:2]
+        i = np.minimum(np.searchsorted(seqs, want), max(len(seqs) - 1, 0))
+        if not len(seqs) or (seqs[i] != want).any():
+            raise StaleReadError(f"rows drawn from {self.path} belong to groups evicted (and deleted) since; "
+                                 "refresh (len(storage)) and draw again")
+        return starts[i] + offset
+
+    def hold(self, index) -> None:
+        """Open every file ``get(index)`` reads, at the current view (no refresh), so that that read needs
+        no file an evictor may delete meanwhile: a sampler calls it before handing ``index`` out and draws
+        again on :class:`StaleReadError`. Costs nothing extra: ``get`` reuses what this opened."""
+        rows, _ = self._rows(index)
+        if not rows.size or self._schema is None:
+            return
+        stops, blocks = self._index()[2:4]
+        for b in np.unique(blocks[np.searchsorted(stops, rows, side="right")]).tolist():
+            try:
+                self._hold_block(b)
+            except FileNotFoundError as err:
+                raise StaleReadError(f"rows drawn from {self.path} belong to groups evicted (and deleted) "
+                                     "since; refresh (len(storage)) and draw again") from err
+
+    def read_column(self, key: NestedKey, rows=None) -> torch.Tensor:
+        """A fixed-shape column (all live rows, or ``rows``) as one tensor; the samplers' fast path. Like
+        ``get``, integer ``rows`` are read against the last refresh (the one the sampler drew them from)."""
+        key = key_tuple(key)
+        if rows is None or self._schema is None:
+            self._refresh()
         col = self._schema.by_key.get(key) if self._schema else None
         if col is None or col.ragged:
             raise SchemaError(f"read_column needs a fixed-shape column; {'.'.join(key)!r} is "
                               f"{'ragged' if col else 'not in the store'}")
         r, _ = self._rows(slice(None) if rows is None else rows)
+        return self._read_snapshot(lambda r: self._read_column(col, r), r)
+
+    def _read_column(self, col, r: np.ndarray) -> torch.Tensor:
+        key = col.key
         seqs, starts, stops, blocks, local = self._index()
         g = np.searchsorted(stops, r, side="right")
         blk, loc = blocks[g], r - starts[g] + local[g]
@@ -500,6 +597,14 @@ class GroupStorage(Storage):
     def _on_schema(self, schema: Schema) -> None: ...
     def _on_move(self, rec: dict) -> None: ...
     def _after_evict(self) -> None: ...
+    def _after_commit(self) -> None:
+        """After each commit (Arrow seals a segment that reached its size when the store evicts)."""
+    def _on_commit(self, rec: dict) -> None:
+        """Every group record, evicted or not (what was ever written where)."""
+    def _on_live(self, loc: dict, delta: int) -> None:
+        """A live group arrived at (+1) or left (-1) ``loc``: readers let go of files with no live group."""
+    def _hold_block(self, block: int) -> None:
+        """Open (map, or read into the cache) what ``_gather`` reads for ``block``."""
     def _after_fork(self) -> None:
         self._pid = os.getpid()
         self._pending_catalog = []
@@ -617,3 +722,6 @@ def _nest(d: dict) -> dict:
             cur = cur.setdefault(part, {})
         cur[key[-1]] = v
     return out
+
+
+register_default_collate(GroupStorage)

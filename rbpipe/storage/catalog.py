@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -21,6 +22,19 @@ from rbpipe.storage.commitlog import CommitLog
 from rbpipe.storage.format import CATALOG_DIR, COMMIT_LOG, read_meta
 
 LIST_COLUMNS = ("returns", "advantages", "collectors", "policy_versions", "lengths")
+
+
+def summable(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored scalars as numbers to sum: bfloat16 is stored as its raw bits, whose sum means nothing."""
+    return (a.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else a
+
+
+def json_numbers(values: list) -> list:
+    """``values`` with NaN and infinities as the strings "NaN", "Infinity" and "-Infinity": commit lines stay
+    strict JSON (which has no such numbers) and ``float()`` reads the strings back as the same values."""
+    if all(math.isfinite(x) for x in values):
+        return values
+    return [x if math.isfinite(x) else "NaN" if x != x else "Infinity" if x > 0 else "-Infinity" for x in values]
 
 
 def _row(rec: dict, names) -> dict:
@@ -76,6 +90,10 @@ def read_catalog(path: str | os.PathLike) -> pa.Table:
     path = Path(path)
     read_meta(path)
     groups, evicted_upto, _ = _scan(path)
+    return _catalog_table(groups, evicted_upto)
+
+
+def _catalog_table(groups: dict[int, dict], evicted_upto: int) -> pa.Table:
     names = sorted(set(LIST_COLUMNS) | {k for r in groups.values() for k in r.get("cat", {})})
     rows = [_row(r, names) for r in groups.values()]  # the commit log is the source of truth
     table = _table(rows, names) if rows else _table([], names)
@@ -84,63 +102,60 @@ def read_catalog(path: str | os.PathLike) -> pa.Table:
 
 
 # -- inspect ----------------------------------------------------------------------------------------------
-_COND = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(==|!=|<=|>=|<|>)\s*(-?[0-9.eE+-]+|nan)\s*$")
-_AGG = {"mean": lambda xs: sum(xs) / len(xs) if xs else math.nan, "min": min, "max": max, "sum": sum,
-        "std": lambda xs: (sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)) ** 0.5 if xs else math.nan}
-_OPS = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
-        "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
+#: the old ``--where`` language's FIELD_mean/_min/_max/_sum/_std, and the DuckDB list function that replaces it
+_OLD_SUFFIX = {"mean": "list_avg", "min": "list_min", "max": "list_max", "sum": "list_sum", "std": "list_stddev_pop"}
 
 
-def parse_where(where: str):
-    """``FIELD OP NUMBER [and FIELD OP NUMBER ...]``; FIELD is group_id, members, seq, commit_time, or a
-    list column with a suffix _mean/_min/_max/_sum/_std (e.g. ``returns_mean > 0.5``)."""
-    conds = []
-    for part in re.split(r"\s+and\s+", where.strip(), flags=re.IGNORECASE):
-        m = _COND.match(part)
-        if not m:
-            raise StoreError(f"cannot parse filter {part!r}: write FIELD OP NUMBER, e.g. 'returns_mean > 0.5' "
-                             "or 'group_id == 3', joined by 'and'")
-        field, op, num = m.groups()
+def _where_hint(where: str, columns: list[str]) -> str:
+    """How to write ``where`` in SQL: the old ``returns_mean``-style fields are translated in the hint."""
+    m = re.search(r"\b([A-Za-z_]+)_(mean|min|max|sum|std)\b", where)
+    if m and m.group(1) in columns:
+        return f"write {_OLD_SUFFIX[m.group(2)]}({m.group(1)}) for {m.group(0)}"
+    return "e.g. --where \"list_avg(returns) > 0.5\" or \"group_id = 3\""
+
+
+def select_groups(table: pa.Table, where: str) -> pa.Table:
+    """The rows of the catalogue ``table`` (the ``groups`` view) for which the SQL condition ``where`` holds,
+    in commit order; DuckDB evaluates it, so anything DuckDB accepts in a WHERE clause works."""
+    import duckdb
+
+    con = duckdb.connect()
+    try:
+        con.register("groups", table)
         try:
-            value = float(num)
-        except ValueError:
-            raise StoreError(f"{num!r} in filter {part!r} is not a number") from None
-        conds.append((field, op, value))
-    return conds
-
-
-def _field(g: dict, field: str):
-    if field in g and not isinstance(g[field], list):
-        return g[field]
-    base, _, agg = field.rpartition("_")
-    if base in g and isinstance(g[base], list) and agg in _AGG:
-        return _AGG[agg](g[base]) if g[base] else math.nan
-    known = sorted(k for k, v in g.items() if not isinstance(v, (list, str)) and v is not None)
-    lists = sorted(k for k, v in g.items() if isinstance(v, list))
-    raise StoreError(f"unknown filter field {field!r}; use one of {known} or a list column + _mean/_min/"
-                     f"_max/_sum/_std ({lists})")
+            rel = con.sql(f"select * from groups where ({where}) order by seq")
+            return (getattr(rel, "to_arrow_table", None) or rel.arrow)()  # DuckDB 2 / 1.x
+        except duckdb.Error as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise StoreError(f"--where {where!r} is not a SQL condition over the groups view ({first}); "
+                             f"{_where_hint(where, table.column_names)}; columns: "
+                             f"{', '.join(table.column_names)}") from None
+    finally:
+        con.close()
 
 
 def inspect_store(path: str | os.PathLike, *, where: str | None = None, group=None,
                   limit: int | None = 20) -> dict[str, Any]:
-    """Summary of a store and its (filtered) groups, members in stored order; for ``rbpipe inspect``."""
+    """Summary of a store and its (filtered) live groups, members in stored order; for ``rbpipe inspect``.
+
+    ``where`` is a DuckDB SQL condition over the ``groups`` view (``list_avg(returns) > 0.5``). Reads the
+    commit log once and never imports torch, so it answers in well under a second on thousands of groups.
+    """
     path = Path(path)
     meta = read_meta(path)
     groups, evicted_upto, tail = _scan(path)
-    table = read_catalog(path)
-    rows = [r for r in table.to_pylist() if r["live"]]
-    conds = parse_where(where) if where else []
-    out = []
-    for r in rows:
-        if group is not None and str(r["group_id"]) != str(group):
-            continue
-        if all(_OPS[op](_field(r, f), v) for f, op, v in conds):
-            out.append(r)
+    table = _catalog_table(groups, evicted_upto)
+    live = table.filter(table.column("live"))
+    if where:
+        live = select_groups(live, where)
+    rows = live.to_pylist()
+    out = [r for r in rows if group is None or str(r["group_id"]) == str(group)]
     if limit is not None:
         out = out[-limit:] if limit > 0 else []  # the latest groups
+    committed = [r for s, r in groups.items() if s > evicted_upto]
     return {"store": str(path), "backend": meta["backend"], "format_version": meta["format_version"],
-            "groups_committed": len(rows), "groups_evicted": sum(1 for s in groups if s <= evicted_upto),
-            "rows": sum(r["members"] for r in rows), "torn_tail": tail, "groups_matched": len(out),
+            "groups_committed": len(committed), "groups_evicted": sum(1 for s in groups if s <= evicted_upto),
+            "rows": sum(r["n"] for r in committed), "torn_tail": tail, "groups_matched": len(out),
             "groups": out}
 
 
@@ -161,21 +176,38 @@ def export_zarr(store_path: str | os.PathLike, out_path: str | os.PathLike) -> i
     return len(spans)
 
 
-def repair_catalog(path: str | os.PathLike) -> int:
+def repair_catalog(path: str | os.PathLike, *, drop_unreadable: bool = False) -> int:
     """Write catalogue rows for committed groups that no Parquet file holds yet; returns how many.
 
     Writers batch their catalogue rows, so a writer killed between flushes leaves committed groups that
     are in the commit log (the source of truth) but not yet in ``catalog/*.parquet``. The launcher runs
     this after every run and before a resume, so DuckDB/Polars users see every committed group.
+    A catalogue file that cannot be read (damaged on disk: writers rename only whole files) raises a
+    StoreError, or with ``drop_unreadable`` is renamed ``*.parquet.unreadable`` (out of the catalogue's
+    glob) and its groups are written again from the commit log.
     """
     path = Path(path)
     read_meta(path)
     groups, _, _ = _scan(path)
     covered: set[int] = set()
-    for f in (path / CATALOG_DIR).glob("*.parquet"):
-        covered.update(pq.read_table(f, columns=["seq"]).column("seq").to_pylist())
+    for f in sorted((path / CATALOG_DIR).glob("*.parquet")):
+        covered.update(_catalog_seqs(f, drop_unreadable))
     missing = [groups[s] for s in sorted(groups) if s not in covered]
     if missing:
         names = {k for r in missing for k in r.get("cat", {})}
         write_catalog_rows(path, missing, names)
     return len(missing)
+
+
+def _catalog_seqs(f: Path, drop_unreadable: bool) -> list[int]:
+    """The ``seq`` column of one catalogue file; an unreadable file is refused or moved aside (no seqs)."""
+    try:
+        return pq.read_table(f, columns=["seq"]).column("seq").to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        if not drop_unreadable:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise StoreError(f"catalogue file {str(f)!r} is unreadable ({why}); its rows are rebuilt from the "
+                             "commit log: run repair_catalog(store, drop_unreadable=True) (it renames the file "
+                             "*.unreadable) or delete the file and run repair_catalog again") from None
+    os.replace(f, f.with_name(f.name + ".unreadable"))
+    return []

@@ -53,7 +53,25 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if meta.get("backend") not in BACKENDS:
         raise StoreError(f"store {str(path)!r} names an unknown backend {meta.get('backend')!r}; "
                          f"expected one of {BACKENDS}")
+    _check_commit_log(path)
     return meta
+
+
+def _holds_data(path: Path) -> bool:
+    """Whether anything but the metadata was ever written to the store (segments, arrays, catalogue)."""
+    return any(any(d.iterdir()) for d in (path / SEGMENTS_DIR, path / CATALOG_DIR) if d.is_dir()) or any(
+        (path / name).exists() for name in (ZARR_DIR, "zarr_alloc.json"))
+
+
+def _check_commit_log(path: Path) -> None:
+    """Refuse a store whose commit log is gone but whose data is not: opened, it would read as empty and
+    take new groups while the old ones (still in the catalogue) stay orphaned. A store that never held data
+    (its creator stopped before the log existed) is fine: the log is created on open."""
+    if not (path / COMMIT_LOG).is_file() and _holds_data(path):
+        raise StoreError(f"store {str(path)!r} holds data but its commit log {COMMIT_LOG} is missing; the log is "
+                         "the only record of which groups exist, so the store will not open (it would read as "
+                         f"empty): restore {COMMIT_LOG} from a backup, or move the directory aside and start a "
+                         "new store")
 
 
 def create_or_open(path: str | os.PathLike, backend: str, *, create: bool,
@@ -70,8 +88,10 @@ def create_or_open(path: str | os.PathLike, backend: str, *, create: bool,
             raise StoreError(f"{str(path)!r} is a non-empty directory that is not an rbpipe store; "
                              "refusing to write into it: pass a new or empty directory")
         path.mkdir(parents=True, exist_ok=True)
-        (path / SEGMENTS_DIR).mkdir(exist_ok=True)
+        if backend == "arrow":
+            (path / SEGMENTS_DIR).mkdir(exist_ok=True)
         (path / CATALOG_DIR).mkdir(exist_ok=True)
+        (path / COMMIT_LOG).touch(exist_ok=True)  # before the metadata: a store that has one has both
         meta = {"format_version": FORMAT_VERSION, "backend": backend, "created": time.time(),
                 "created_by": f"{socket.gethostname()}:{os.getpid()}", "options": options or {}}
         tmp = path / f".{META_FILE}.{os.getpid()}.tmp"
@@ -82,7 +102,6 @@ def create_or_open(path: str | os.PathLike, backend: str, *, create: bool,
             pass
         finally:
             tmp.unlink(missing_ok=True)
-        (path / COMMIT_LOG).touch(exist_ok=True)
     meta = read_meta(path)
     if meta["backend"] != backend:
         raise StoreError(f"store {str(path)!r} was created with the {meta['backend']!r} backend, not "

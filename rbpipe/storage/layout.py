@@ -12,9 +12,9 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection
 
-from rbpipe.errors import SchemaError
+from rbpipe.errors import NotAGroupError, SchemaError
 from rbpipe.schema import numpy_view
 
 try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
@@ -207,6 +207,64 @@ def _leaves(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[tuple[str,
     return out
 
 
+#: names a ragged column ``c`` also occupies on disk: Arrow's ``c.__shape`` field, Zarr's ``c.values``,
+#: ``c.start`` and ``c.shape`` arrays (FORMAT.md)
+RAGGED_SUFFIXES = (".__shape", ".values", ".start", ".shape")
+
+
+def check_group(td: Any) -> TensorDictBase:
+    """``td`` when it is a TensorDict (or tensorclass): a plain tensor or list has no keys to name columns by."""
+    if is_tensor_collection(td):
+        return td
+    rows = isinstance(td, (list, tuple)) and td and all(isinstance(x, TensorDictBase) for x in td)
+    hint = ("stack the rows first: tensordict.lazy_stack(rows)" if rows
+            else "wrap it: TensorDict({'name': tensor}, batch_size=[n])")
+    raise NotAGroupError(f"a group must be a TensorDict with batch_size [n] (one row per member), got "
+                         f"{type(td).__name__}; {hint}")
+
+
+def physical_names(c: Column) -> tuple[str, ...]:
+    """Every name column ``c`` occupies on disk on either backend (Arrow fields, Zarr arrays)."""
+    return (c.name, *(c.name + s for s in RAGGED_SUFFIXES)) if c.ragged else (c.name,)
+
+
+def _name_problem(c: Column) -> str | None:
+    """Why ``c`` can never be stored on one of the backends (checked before its schema is committed: a
+    committed schema that a backend cannot lay out would make the store refuse every group), or None."""
+    if any(part == "" for part in c.key):
+        return f"key {c.key!r} has an empty part; rename it"
+    if "/" in c.name:
+        return f"key {c.key!r} contains '/', which Zarr reads as a path separator; rename it"
+    if set(c.name) == {"."}:
+        return f"column name {c.name!r} is only dots, which no Zarr array may be named; rename the key"
+    if c.name.startswith("__"):
+        return f"column name {c.name!r} starts with '__', which Zarr v3 reserves; rename the key"
+    if c.ragged and c.ndim == 0:
+        return f"key {c.name!r} holds one scalar per row and cannot be ragged; remove it from ragged_keys"
+    if not c.ragged and 0 in c.shape:
+        return (f"key {c.name!r} has the zero-size shape {c.shape} in every row: a fixed column must hold "
+                "data; declare it in ragged_keys if its size varies (rows may then be empty), or drop it")
+    return None
+
+
+def check_storable(columns: Sequence[Column]) -> None:
+    """Raise SchemaError unless both backends can lay out ``columns``: valid names, no empty fixed shape, and
+    no two columns on one on-disk name, letter case ignored (a case-insensitive file system would put two
+    Zarr arrays "A" and "a" in one directory)."""
+    seen: dict[str, Column] = {}
+    for c in columns:
+        problem = _name_problem(c)
+        if problem:
+            raise SchemaError(problem)
+        for name in physical_names(c):
+            other = seen.setdefault(name.lower(), c)
+            if other is not c:
+                raise SchemaError(
+                    f"keys {other.key!r} and {c.key!r} would both be stored as {name!r} (column names join key "
+                    f"parts with '.', a ragged column adds {', '.join(RAGGED_SUFFIXES)}, and letter case does "
+                    "not tell names apart); rename one of them")
+
+
 class Schema:
     """Columns of a store. ``infer`` builds it from the first write; ``split`` checks later writes."""
 
@@ -231,8 +289,9 @@ class Schema:
 
     @classmethod
     def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> "Schema":
-        if td.ndim != 1:
-            raise SchemaError(f"a group must be a TensorDict with one batch dimension (its members), got "
+        """The schema of a store's first group; refuses (SchemaError) what either backend could never store."""
+        if check_group(td).ndim != 1 or td.shape[0] < 1:
+            raise SchemaError(f"a group must be a TensorDict with one batch dimension of at least one member, got "
                               f"batch_size={tuple(td.batch_size)}")
         declared = {key_tuple(k) for k in ragged_keys}
         rows = _rows(td)
@@ -264,11 +323,12 @@ class Schema:
             cols.append(Column(key, _DTYPES[dtype][0], shape, ndims.pop()))
         if not cols:
             raise SchemaError("the first group has no tensor fields; nothing to store")
+        check_storable(cols)
         return cls(cols)
 
     def split(self, td: TensorDictBase) -> GroupColumns:
         """Check ``td`` against the schema and convert it to columns (nothing is written on error)."""
-        if td.ndim != 1 or td.shape[0] < 1:
+        if check_group(td).ndim != 1 or td.shape[0] < 1:
             raise SchemaError(f"a group must be a TensorDict of batch_size [n>=1], got {tuple(td.shape)}")
         rows = _rows(td)
         leaves = [_leaves(td)] if rows is None else [_leaves(r) for r in rows]

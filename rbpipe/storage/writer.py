@@ -15,7 +15,11 @@ class GroupWriter(Writer):
     """Hands each write to ``storage.append_group`` (one atomic commit per call); no cursor to keep.
 
     The storage decides row positions (commit order across processes), so the writer is stateless
-    and safe to pickle into any number of writer processes.
+    and safe to pickle into any number of writer processes. It is the writer a ``ReplayBuffer`` over
+    ``ArrowStorage``/``ZarrStorage`` needs (``rbpipe.storage.group_buffer`` sets it): torchrl's default
+    ``RoundRobinWriter`` keeps its own cursor and cycles through row positions, which an append-only store
+    refuses (a ``StoreError``) as soon as the cursor and the store's end differ: at its wrap-around, after an
+    eviction, or once another process has appended.
     """
 
     def __init__(self) -> None:

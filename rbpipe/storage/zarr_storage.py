@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from rbpipe.errors import StoreError
-from rbpipe.storage.base import GroupStorage
+from rbpipe.storage.base import GroupStorage, writer_id
 from rbpipe.storage.format import ZARR_DIR
+from rbpipe.storage.retention import ChunkLedger
 from rbpipe.storage.layout import (GroupColumns, empty_columns, ragged_sizes, row_elements, slice_columns,
                                    take_columns)
 
@@ -101,10 +102,8 @@ class _RawChunks:
             if os.fstat(fd).st_size < self.chunk * self.row_bytes:
                 os.ftruncate(fd, self.chunk * self.row_bytes)
         else:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                return None  # never written: reads as the fill value
+            fd = os.open(path, os.O_RDONLY)  # a committed row's chunk exists unless retention deleted it:
+            # FileNotFoundError then (the reader's view is older than the eviction), never zeros
         self.fds[(k, write)] = fd
         while len(self.fds) > OPEN_CHUNKS:
             os.close(self.fds.popitem(last=False)[1])
@@ -128,23 +127,62 @@ class _RawChunks:
                 raise OSError(errno.ENOSPC, f"short write to chunk {k} of {self.base.parent.name}")
 
     def read(self, start: int, n: int) -> np.ndarray:
+        """Rows ``start..start+n`` (committed rows: they must be there whole). A chunk file that ends before
+        them was cut after the commit: a StoreError naming it, as zarr-python raises, never zeros."""
         out = np.zeros((n, *self.tail), self.dtype)
         flat = memoryview(out.reshape(-1)).cast("B")
         rb = self.row_bytes
         for k, offset, first, rows in self._pieces(start, n):
             fd = self._fd(k, False)
             if fd is not None:
-                os.preadv(fd, [flat[first * rb:(first + rows) * rb]], offset)
+                self._read_whole(fd, k, flat[first * rb:(first + rows) * rb], offset)
         return out
+
+    def _read_whole(self, fd: int, k: int, buf: memoryview, offset: int) -> None:
+        got = 0
+        while got < len(buf):
+            m = os.preadv(fd, [buf[got:]], offset + got)
+            if m <= 0:
+                path = f"{self.base}/{k}{self.suffix}"
+                raise StoreError(f"Zarr chunk file {path} ends at byte {os.fstat(fd).st_size} but committed rows "
+                                 f"need bytes {offset}..{offset + len(buf)} (a whole chunk is "
+                                 f"{self.chunk * self.row_bytes} bytes): it was cut short after the commit; restore "
+                                 "it from a backup (these rows cannot be read)")
+            got += m
 
     def close(self) -> None:
         while self.fds:
             os.close(self.fds.popitem()[1])
 
+    def drop(self, k: int) -> None:
+        """Close chunk ``k`` (its groups are evicted: an open descriptor would keep a deleted file's space)."""
+        for key in ((k, False), (k, True)):
+            fd = self.fds.pop(key, None)
+            if fd is not None:
+                os.close(fd)
+
+    def unlink(self, k: int) -> None:
+        """Delete chunk ``k``'s file (and the directory only it used)."""
+        self.drop(k)
+        Path(f"{self.base}/{k}{self.suffix}").unlink(missing_ok=True)
+        for depth in range(len(self.tail) - 1, -1, -1):  # its directories (``k/0/...``), deepest first
+            try:
+                os.rmdir(f"{self.base}/{k}" + "/0" * depth)
+            except OSError:
+                pass
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk * self.row_bytes
+
 
 class ZarrStorage(GroupStorage):
     """A torchrl ``Storage`` of whole groups in a Zarr v3 group (``STORE/data.zarr``); same API as
-    :class:`ArrowStorage` (``compact()`` is a no-op). See ``docs/FORMAT.md``."""
+    :class:`ArrowStorage` (``compact()`` is a no-op). See ``docs/FORMAT.md``.
+
+    With retention, chunk files whose groups are all evicted are deleted once their writer has moved past
+    them: the chunk files are those holding a live group plus at most two per writer and array
+    (docs/FORMAT.md, "Retention and disk")."""
 
     backend = "zarr"
 
@@ -160,6 +198,10 @@ class ZarrStorage(GroupStorage):
         self._raw: dict[str, _RawChunks | None] = {}  # array -> in-place chunk access, None if not raw bytes
         self._chunk_rows: int | None = None
         self._reserved, self._reserved_pid = None, os.getpid()
+        self._wname: str | None = None  # this instance's writer name (reservations are per instance)
+        self._ledgers: dict[str, ChunkLedger] = {}  # "" (row arrays) or a ragged column -> its chunks' groups
+        self._pending: list[dict] = []  # groups seen before the arrays' chunk sizes could be read
+        self._family_arrays: dict[str, list[str]] | None = None
 
     def _zarr(self):
         if self._arrays is None:
@@ -246,7 +288,7 @@ class ZarrStorage(GroupStorage):
         with self._alloc_lock():
             cap = self._chunk_rows * MAX_CHUNKS
             path = self.path / ALLOC_FILE
-            state = json.loads(path.read_text()) if path.exists() else {"rows": 0, "values": {}}
+            state = self._alloc_state(path)
             row = _round_up(state["rows"], self._chunk_rows)
             if row + n > cap:
                 raise StoreError(f"the Zarr store {str(self.path)!r} is full ({cap} rows of space); export to "
@@ -267,6 +309,37 @@ class ZarrStorage(GroupStorage):
             os.replace(tmp, path)
             return block
 
+    def _alloc_state(self, path: Path) -> dict:
+        """The allocator state (read under the allocation lock). A missing file is rebuilt from the chunks
+        on disk, so that no committed row or value is handed out twice; an unreadable one is refused."""
+        if not path.exists():
+            return self._alloc_from_chunks()
+        try:
+            state = json.loads(path.read_text())
+            return {"rows": int(state["rows"]), "values": {str(k): int(v) for k, v in state["values"].items()}}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StoreError(f"the Zarr allocator state {str(path)!r} is unreadable ({type(exc).__name__}: {exc}); "
+                             "stop every writer of this store, then delete that file: the next writer rebuilds it "
+                             "from the chunk files on disk") from None
+
+    def _alloc_from_chunks(self) -> dict:
+        """Allocator state past every chunk file on disk and every live group (a store whose
+        ``zarr_alloc.json`` was deleted; a brand-new store gets zeros)."""
+        def end(name: str, per_chunk: int) -> int:
+            root = self._zpath / name / "c"
+            ks = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
+            return (max(ks) + 1) * per_chunk if ks else 0
+
+        rows, values = 0, {}
+        for c in self._schema.columns:
+            for name in ((c.name + ".start", c.name + ".shape") if c.ragged else (c.name,)):
+                rows = max(rows, end(name, self._chunk_rows))
+            if c.ragged:
+                values[c.name] = end(c.name + ".values", self._value_chunk(c.name))
+        for r in self._groups.values():
+            rows = max(rows, r["loc"]["row"] + r["n"])
+        return {"rows": rows, "values": values}
+
     def _write_group(self, cols: GroupColumns) -> tuple[dict, int]:
         row, vals = self._allocate(cols)
         nbytes = 0
@@ -284,7 +357,8 @@ class ZarrStorage(GroupStorage):
             else:
                 self._put(c.name, row, cols.fixed[c.key])
                 nbytes += cols.fixed[c.key].nbytes
-        return {"row": row, "vals": vals}, nbytes
+        return {"row": row, "vals": vals, "vlen": {c.name: len(cols.ragged[c.key][0]) for c in self._schema.columns
+                                                   if c.ragged}}, nbytes
 
     def _raw_chunks(self, name: str) -> _RawChunks | None:
         if name not in self._raw:
@@ -315,6 +389,101 @@ class ZarrStorage(GroupStorage):
     def _after_fork(self) -> None:
         super()._after_fork()
         self._raw = {}  # file descriptors are per process (the parent's stay the parent's)
+        self._wname = None
+
+    def _writer_name(self) -> str:
+        """``<host>-<pid>-<rand>``: one per instance, as reservations are (an evictor tells from it whether
+        the writer of a chunk is alive and has moved past it)."""
+        if self._wname is None:
+            self._wname = writer_id()
+        return self._wname
+
+    # -- retention ----------------------------------------------------------------------------------------
+    def _families(self) -> dict[str, list[str]]:
+        """Chunk families: arrays chunked alike, whose chunk ``k`` holds the same groups."""
+        if self._family_arrays is None:
+            rows = [n for c in self._schema.columns
+                    for n in ((c.name + ".start", c.name + ".shape") if c.ragged else (c.name,))]
+            self._family_arrays = {"": rows, **{c.name: [c.name + ".values"]
+                                                for c in self._schema.columns if c.ragged}}
+        return self._family_arrays
+
+    def _ledger_ready(self) -> bool:
+        """Build the chunk ledgers once the arrays exist (their chunk sizes are in the group's attributes)."""
+        if self._ledgers:
+            return True
+        try:
+            chunk_rows = int(self._zarr().attrs["chunk_rows"])
+        except Exception:  # noqa: BLE001 - no arrays (or no zarr group) yet
+            self._arrays = None
+            return False
+        self._ledgers[""] = ChunkLedger(chunk_rows)
+        for name in self._families():
+            if name:
+                self._ledgers[name] = ChunkLedger(self._value_chunk(name))
+        return True
+
+    def _on_commit(self, rec: dict) -> None:
+        self._pending.append(rec)
+        if not self._ledger_ready():
+            return
+        for r in self._pending:
+            loc, writer = r["loc"], r.get("writer", "")
+            self._ledgers[""].add(r["seq"], writer, loc["row"], r["n"])
+            for name, start in loc.get("vals", {}).items():
+                size = loc.get("vlen", {}).get(name, 1)
+                if size and name in self._ledgers:
+                    self._ledgers[name].add(r["seq"], writer, start, size)
+        self._pending = []
+
+    def _on_live(self, loc: dict, delta: int) -> None:
+        if delta > 0 or not self._raw:
+            return
+        for name, ledger in self._ledgers.items():  # close what this process holds open of dead chunks
+            start = loc["row"] if not name else loc.get("vals", {}).get(name)
+            if start is None:
+                continue
+            k = start // ledger.chunk
+            if ledger.newest.get(k, -1) <= self._evicted_upto:
+                for arr in self._families()[name]:
+                    raw = self._raw.get(arr)
+                    if raw is not None:
+                        raw.drop(k)
+
+    def _hold_block(self, block: int) -> None:
+        self._cached_group(block)
+
+    def _after_evict(self) -> None:
+        """Delete the chunk files whose groups are all evicted and whose writer has moved past them or died
+        (docs/FORMAT.md, "Retention and disk"). Writers are checked first, then the log is read again: a
+        writer found dead has committed all it ever will, so a chunk still dead after that stays dead."""
+        if not self._ledger_ready():
+            return
+        candidates = {name: ledger.candidates(self._evicted_upto) for name, ledger in self._ledgers.items()}
+        if not any(candidates.values()):
+            return
+        self._refresh()
+        families = self._families()
+        for name, ks in candidates.items():
+            for k in self._ledgers[name].confirm(ks, self._evicted_upto):
+                for arr in families[name]:
+                    raw = self._raw_chunks(arr)
+                    if raw is not None:
+                        raw.unlink(k)
+
+    def _chunk_bound(self, writers: int) -> int:
+        """The most the chunk files may hold now (docs/FORMAT.md, "Retention and disk"): the chunks holding
+        a live group plus two per writer, per array, at most a whole chunk each, and the metadata files."""
+        if not self._ledger_ready():
+            return 0
+        total, arrays = 0, 0
+        for name, ledger in self._ledgers.items():
+            live = sum(1 for seq in ledger.newest.values() if seq > self._evicted_upto)
+            for arr in self._families()[name]:
+                raw = self._raw_chunks(arr)
+                arrays += 1
+                total += (live + 2 * writers) * (raw.chunk_bytes if raw is not None else 0)
+        return total + (arrays + 1) * 2 * 4096
 
     def _seal(self) -> None:
         for raw in self._raw.values():

@@ -11,6 +11,13 @@ row range reserved by the manager), then confirmed. No lock lives in the buffer,
 buffer is pickled for a spawn child, :mod:`rbpipe.grouping.bridge` pickles it with stdlib's spawning hook
 set (so the write ``Lock``, the storage's length ``Value`` and the manager proxies travel) and installs the
 parent's stdlib authkey in the child before the proxies reconnect.
+
+A group that cannot be written is quarantined (see :mod:`rbpipe.grouping.registry`): a writer that fails on a
+group it took over from a dead writer warns and goes on; one that fails on its own group raises
+:class:`GroupWriteError` after writing the others. A trajectory that does not fit a torchrl tensor storage
+(other keys, dtypes or trailing shapes than the allocated layout) is refused before it is handed over, so no
+group ever reserves rows it cannot fill: torchrl would silently write part of it (keys it lacks stay
+uninitialised memory inside ``len(storage)``, extra keys are lost, dtypes are cast).
 """
 
 from __future__ import annotations
@@ -23,12 +30,17 @@ import torch
 from torchrl.data import ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage
 
-from rbpipe.errors import ConfigError, StoreError
+from rbpipe.errors import BadTrajectoryError, ConfigError, StoreError
 from rbpipe.grouping import SharedMCAdvantage, bridged_reduce, connect_manager, start_manager
 from rbpipe.grouping.bridge import spawning
 from rbpipe.schema import GROUP_KEY
 
-__all__ = ["GroupReplayBuffer", "make_replay_buffer", "allocate_storage", "start_manager", "connect_manager"]
+__all__ = ["GroupReplayBuffer", "GroupWriteError", "make_replay_buffer", "allocate_storage", "start_manager",
+           "connect_manager"]
+
+
+class GroupWriteError(StoreError):
+    """A group this writer completed could not be written; it was quarantined (not handed to another writer)."""
 
 
 class _Bridging(threading.local):
@@ -66,18 +78,67 @@ class GroupReplayBuffer(ReplayBuffer):
     def extend(self, data, *, update_priority=None) -> torch.Tensor:
         if self.grouping != "rbpipe":
             return super().extend(data, update_priority=update_priority)
-        transform = self.grouping_transform
-        indices = [self._write_claim(claim) for claim in transform.process(data)]
+        indices, failed = [], []
+        for claim in self.grouping_transform.process(data, self._fit_check()):
+            index = self._write_or_quarantine(claim)
+            if index is None and not claim.recovered:
+                failed.append(claim)
+            elif index is not None:
+                indices.append(index)
+        if failed:
+            raise GroupWriteError(f"{len(failed)} group(s) completed here could not be written and were "
+                                  f"quarantined (e.g. group {failed[0].group!r}): {failed[0].error}. See "
+                                  "transform.quarantined()") from failed[0].error
         if not indices:
             return torch.zeros((0,), dtype=torch.long)
         return torch.cat(indices)
+
+    def _write_or_quarantine(self, claim) -> torch.Tensor | None:
+        """Write and confirm ``claim``; a write that fails quarantines it (None). A dead manager is not the
+        group's fault: ``ManagerDiedError`` from the confirm propagates."""
+        try:
+            index = self._write_claim(claim, confirm=False)
+        except Exception as err:  # noqa: BLE001 - whatever it is, the group must not be handed on
+            claim.error = err
+            self._blank_rows(claim)
+            self.grouping_transform.quarantine(claim, err, warn=claim.recovered)  # an own group raises instead
+            return None
+        self.grouping_transform.confirm(claim)
+        return index
+
+    def _blank_rows(self, claim) -> None:
+        """A write into reserved rows failed after the trajectories passed :meth:`_fit_check` (rare: the storage
+        itself failed): zero the rows, so a later group's length never exposes uninitialised memory (NaNs)
+        there. Until the registry gives the range to the next group of that size, they are inside
+        ``len(storage)`` as zeros (zero advantage); the quarantine record keeps the range."""
+        storage = self._storage
+        if claim.rows is None or hasattr(storage, "append_group") or not getattr(storage, "initialized", False):
+            return
+        end = min(claim.rows + sum(int(shape[0]) for *_, shape in claim.advantages), storage.max_size)
+        if end > claim.rows:
+            with contextlib.suppress(Exception):  # best effort: the quarantine record names the rows
+                storage._storage[claim.rows:end].zero_()
+
+    def _fit_check(self):
+        """For a torchrl tensor storage already allocated: a per-trajectory check against its layout."""
+        storage = self._storage
+        if hasattr(storage, "append_group") or not getattr(storage, "initialized", False):
+            return None
+        layout = getattr(self, "_layout", None)
+        if layout is None:
+            advantage = self.grouping_transform.advantage_key
+            layout = self._layout = {key: (leaf.dtype, tuple(leaf.shape[1:]))
+                                     for key, leaf in storage._storage.items(True, True)
+                                     if isinstance(leaf, torch.Tensor) and key != advantage}
+        return lambda traj: _check_fits(traj, layout)
 
     def requeue_staged(self) -> tuple[int, int]:
         """Queue again what a previous session left staged, writing any group it completes: ``(requeued, torn)``."""
         committed = self._storage.committed_member_ids() if hasattr(self._storage, "committed_member_ids") else set()
         claims, requeued, torn = self.grouping_transform.requeue_staged(skip=committed)
         for claim in claims:
-            self._write_claim(claim)
+            claim.recovered = True  # a previous session's group: quarantined with a warning if it fails
+            self._write_or_quarantine(claim)
         return requeued, torn
 
     def add(self, data) -> torch.Tensor:
@@ -88,11 +149,9 @@ class GroupReplayBuffer(ReplayBuffer):
     def recover(self, *, force: bool = False) -> int:
         """Write and confirm groups claimed by writers that died before confirming; returns how many."""
         claims = self.grouping_transform.recover(force=force)
-        for claim in claims:
-            self._write_claim(claim)
-        return len(claims)
+        return sum(self._write_or_quarantine(claim) is not None for claim in claims)
 
-    def _write_claim(self, claim) -> torch.Tensor:
+    def _write_claim(self, claim, confirm: bool = True) -> torch.Tensor:
         transform = self.grouping_transform
         storage = self._storage
         group = transform.group_of(claim, jagged=hasattr(storage, "append_group"))
@@ -117,8 +176,28 @@ class GroupReplayBuffer(ReplayBuffer):
             storage.set(index, group, set_cursor=False)
             _raise_len(storage, claim.rows + n)
         self._sampler.extend(index)
-        transform.confirm(claim)
+        if confirm:
+            transform.confirm(claim)
         return index
+
+
+def _check_fits(traj, layout: dict) -> None:
+    """Refuse a trajectory whose tensor leaves differ from the storage's (keys, dtypes, trailing shapes)."""
+    problems = []
+    seen = set()
+    for key, leaf in traj.items(True, True):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        seen.add(key)
+        want = layout.get(key)
+        if want is None:
+            problems.append(f"{key!r} is not in the storage")
+        elif leaf.dtype != want[0] or tuple(leaf.shape[1:]) != want[1]:
+            problems.append(f"{key!r} is {leaf.dtype} {tuple(leaf.shape[1:])}, the storage holds {want[0]} {want[1]}")
+    problems.extend(f"{key!r} is missing (the storage has it)" for key in layout if key not in seen)
+    if problems:
+        raise BadTrajectoryError("trajectory does not fit the torchrl storage (allocated from the first group; "
+                                 "a torchrl tensor storage keeps one layout): " + "; ".join(problems[:4]))
 
 
 def _takes_commit_id(storage) -> bool:
@@ -147,8 +226,7 @@ def _raise_len(storage, length: int) -> None:
     value = getattr(storage, "_len_value", None)
     lock = value.get_lock() if hasattr(value, "get_lock") else contextlib.nullcontext()
     with lock:
-        if storage._len < length:
-            storage._len = length
+        storage._len = max(storage._len, length)
 
 
 def make_replay_buffer(storage, *, grouping: str = "rbpipe", grpo_size: int, manager=None, staging_dir=None,

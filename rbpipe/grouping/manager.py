@@ -21,7 +21,7 @@ from multiprocess.managers import BaseManager, MakeProxyType, RemoteError
 from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
-from rbpipe.grouping.registry import GroupRegistry, get_registry
+from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
 
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
@@ -156,13 +156,63 @@ GroupingManager.register("get_registry", callable=get_registry, proxytype=Regist
                          exposed=GroupRegistry.exposed)
 
 
-def _init_manager_process() -> None:
+# -- a forked child never uses its parent's connection -----------------------------------------------------------
+# A proxy keeps one connection per manager address and thread; ``multiprocess`` forgets them in children it
+# forks itself, but a child of ``os.fork`` (stdlib ``multiprocessing`` "fork", torch, a plain fork) would share
+# the parent's socket: answers would go to whichever process reads first, then both hang. The connections are
+# forgotten in the child (at fork, and by pid at the next call should a fork have skipped Python's hooks); the
+# parent's socket is neither read nor shut down there.
+_CONNECTION_PID = os.getpid()
+
+
+def _forget_connections() -> None:
+    global _CONNECTION_PID
+    _CONNECTION_PID = os.getpid()
+    _mp_managers.BaseProxy._mutex._at_fork_reinit()
+    for tls, _ in list(_mp_managers.BaseProxy._address_to_local.values()):
+        tls.__dict__.pop("connection", None)
+
+
+os.register_at_fork(after_in_child=_forget_connections)
+
+
+# -- the manager process: dies with its owner, leaves nothing behind ------------------------------------------
+OWNER_POLL_S = 0.25
+
+
+def _clean_up() -> None:
+    import shutil
+
+    from multiprocess import util as mp_util
+
+    for path in list(TEMPORARY_STAGING):
+        shutil.rmtree(path, ignore_errors=True)
+    TEMPORARY_STAGING.clear()
+    tempdir = mp_util.process.current_process()._config.get("tempdir")  # holds the Unix socket
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
+
+
+def _watch_owner(owner: int) -> None:
+    """Exit (cleaning up) once the process that started the manager is gone, however it went (SIGKILL too):
+    polling the parent pid, since ``PR_SET_PDEATHSIG`` fires when the starting *thread* exits."""
+    while os.getppid() == owner:
+        time.sleep(OWNER_POLL_S)
+    _clean_up()
+    os._exit(0)
+
+
+def _init_manager_process(owner: int | None = None) -> None:
     import signal
 
     import torch
+    from multiprocess import util as mp_util
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the workers; the launcher shuts us down
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
+    mp_util.Finalize(None, _clean_up, exitpriority=-1)  # a normal shutdown removes temporary staging too
+    if owner is not None:
+        threading.Thread(target=_watch_owner, args=(owner,), name="rbpipe-owner-watch", daemon=True).start()
 
 
 def start_manager(*, address: tuple[str, int] | str | None = None, authkey: bytes | None = None) -> GroupingManager:
@@ -175,7 +225,7 @@ def start_manager(*, address: tuple[str, int] | str | None = None, authkey: byte
     spin_seconds()  # a bad RBPIPE_SPIN_US fails here, in plain words, before a process is spawned
     manager = GroupingManager(address=address, authkey=authkey or secrets.token_bytes(32),
                               ctx=multiprocess.get_context("spawn"))
-    manager.start(_init_manager_process)
+    manager.start(_init_manager_process, (os.getpid(),))
     return manager
 
 
@@ -187,6 +237,7 @@ def connect_manager(address, authkey: bytes) -> GroupingManager:
     except _DIED as err:
         raise ManagerDiedError(f"cannot reach the grouping manager at {address}: {err}. Check that the "
                                "launcher is running and that address and authkey are right") from err
+    manager.joined = True  # several processes join it: a registry must be named to be shared
     return manager
 
 
@@ -197,6 +248,8 @@ def manager_address(manager: GroupingManager) -> tuple[Any, bytes]:
 
 def call(proxy, method: str, *args, **kwargs):
     """Call a registry method; a dead manager becomes :class:`ManagerDiedError` (raised at once, no hang)."""
+    if _CONNECTION_PID != os.getpid():
+        _forget_connections()
     try:
         return proxy._callmethod(method, args, kwargs)
     except RemoteError as err:
@@ -208,9 +261,18 @@ def call(proxy, method: str, *args, **kwargs):
             "are re-queued from the pending snapshot)") from err
 
 
-def open_registry(manager: GroupingManager, name: str, options: dict | None = None, shards: int = 16):
-    """Proxy to the registry ``name`` in ``manager`` (created with ``options`` if new)."""
+def open_registry(manager: GroupingManager, name: str, options: dict | None = None, shards: int = 16,
+                  staging: dict | None = None):
+    """Proxy to the registry ``name`` in ``manager`` (created with ``options`` if new; joining one with other
+    options or another staging directory raises :class:`ConfigError`). ``staging``: ``{"path": str,
+    "temporary": bool}`` of the opener's staging directory."""
+    if _CONNECTION_PID != os.getpid():
+        _forget_connections()
     try:
-        return manager.get_registry(name, options, shards)
+        proxy = manager.get_registry(name, options, shards, staging)
     except _DIED as err:
         raise ManagerDiedError(f"cannot reach the grouping manager: {err}. Is it still running?") from err
+    problem = join_problem(name, call(proxy, "join_info"), options, staging)
+    if problem is not None:
+        raise ConfigError(problem)
+    return proxy

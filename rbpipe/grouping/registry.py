@@ -14,6 +14,13 @@ selected, unselected, ...) stay deferred, and its members count as queued, until
 the storage write succeeded. A claim whose owner died is handed to the next caller (``append``/``recover``)
 to finish; the claim id doubles as the storage commit id so a finished-but-unconfirmed write is not
 duplicated by storages that support idempotent commits.
+
+A claim that cannot be written is *quarantined* instead of being handed on until every writer has died of it:
+when a writer reports that its write failed, or when its writers died ``MAX_WRITER_DEATHS`` times. It is then
+counted as a dropped group (reason ``quarantined``) and recorded (:meth:`GroupRegistry.quarantined`). A group
+whose advantages come out non-finite from finite rewards (a return that overflows, the std of one value) is
+dropped too (reason ``nonfinite_advantage``): torchrl would write NaNs. Every trajectory handed over stays
+exactly one of written, dropped with a counted reason, or queued.
 """
 
 from __future__ import annotations
@@ -42,6 +49,12 @@ STAT_NAMES = ("completed_trajectories", "completed_decisions", "trajectory_retur
 DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_trajectories",
             "unselected_trajectories")
 QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
+#: Why groups were dropped besides torchrl's own dynamic sampling (counted in ``dropped_groups`` too).
+DROP_REASONS = ("quarantined", "nonfinite_advantage")
+#: A claim whose writers died this many times while holding it is quarantined, not handed on again.
+MAX_WRITER_DEATHS = 3
+#: (Manager process.) Temporary staging directories removed when the manager exits (its owner died, shutdown).
+TEMPORARY_STAGING: set[str] = set()
 _STAT_SET = frozenset(STAT_NAMES)
 _DONE: dict[int, torch.Tensor] = {}  # steps -> done column of a skeleton (only the last step done)
 
@@ -120,14 +133,20 @@ class GroupRegistry:
     """Shared grouping state; its public methods are what the manager proxy exposes."""
 
     exposed = ("append", "confirm", "recover", "get_stats", "reset_stats", "clear_queues", "snapshot",
-               "restore", "ping", "options")
+               "restore", "ping", "options", "quarantine", "quarantined", "drop_reasons", "watch_temporary",
+               "join_info")
 
-    def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5) -> None:
+    def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
+                 staging: dict | None = None) -> None:
         self._options = dict(options)
+        self.staging = dict(staging) if staging else None
+        self._quarantine: list[dict] = []
+        self._reasons = {name: 0 for name in DROP_REASONS}
         self._shards = [_Shard(self._options) for _ in range(max(1, int(shards)))]
         self._claims: dict[str, dict] = {}
         self._claims_lock = threading.Lock()
         self._rows = 0  # next free row for storages that need reserved row ranges
+        self._free_rows: list[tuple[int, int]] = []  # (start, size) of quarantined groups' ranges, to reuse
         self._rows_lock = threading.Lock()
         self._orphan_check_s = orphan_check_s
         self._last_orphan_check = 0.0
@@ -138,6 +157,13 @@ class GroupRegistry:
 
     def options(self) -> dict:
         return dict(self._options)
+
+    def join_info(self) -> dict:
+        return {"options": dict(self._options), "staging": self.staging}
+
+    def watch_temporary(self, path: str) -> None:
+        """Remove the temporary staging directory ``path`` when the manager exits (e.g. its owner was killed)."""
+        TEMPORARY_STAGING.add(str(path))
 
     def _shard(self, group) -> _Shard:
         return self._shards[hash(group) % len(self._shards)]
@@ -156,7 +182,13 @@ class GroupRegistry:
                                       batch_size=torch.Size([steps]))
 
     def _reserve_rows(self, n: int) -> int:
+        """Rows for a group of ``n``: a quarantined group's range of that size first (so a hole it left inside
+        ``len(storage)`` is overwritten by the next group), else new rows at the end."""
         with self._rows_lock:
+            for i, (start, size) in enumerate(self._free_rows):
+                if size == n:
+                    del self._free_rows[i]
+                    return start
             start = self._rows
             self._rows += n
             return start
@@ -185,11 +217,25 @@ class GroupRegistry:
                 del shard.group_ids[group]
                 if out is None:
                     result = {"status": "dropped", "handles": [h for _, h, _ in members]}
+                elif not bool(torch.isfinite(out.get(_A)).all()):
+                    result = self._drop_nonfinite(mc, group, members, out)
                 else:
                     deltas = {name: mc._stats[name] - before[name] for name in DEFERRED}
                     result = self._new_claim(group, members, out, deltas, owner, reserve_rows)
         result["recovered"] = self._orphans(owner)
         return result
+
+    def _drop_nonfinite(self, mc: MCAdvantage, group, members, out: TensorDict) -> dict:
+        """torchrl decided to write a group whose advantages are not finite: count it dropped instead."""
+        mc._stats["written_groups"] -= 1
+        mc._stats["dropped_groups"] += 1
+        self._reasons["nonfinite_advantage"] += 1
+        rewards = [float(decode_tensor(*r).double().sum()) for _, _, r in members]
+        return {"status": "dropped", "handles": [h for _, h, _ in members], "reason": "nonfinite_advantage",
+                "message": f"group {group!r} was dropped: its advantages are not finite although every reward is "
+                           f"(trajectory reward sums {rewards[:8]}): a return overflowed float32, or a group of "
+                           "one value has no std (grpo_size=1 with one-step trajectories). Scale the rewards "
+                           "down, or use a larger grpo_size"}
 
     def _new_claim(self, group, members, out: TensorDict, deltas: dict, owner: int, reserve_rows: bool) -> dict:
         handle_of = {hidx: handle for hidx, handle, _ in members}
@@ -201,8 +247,8 @@ class GroupRegistry:
             "advantages": [encode_tensor(a) for a in advs],
             "unselected": [h for _, h, _ in members if h not in set(selected)],
             "members": [(h, r) for _, h, r in members], "deltas": deltas, "owner": owner,
-            "since": time.monotonic(),
-            "rows": self._reserve_rows(int(counts.sum())) if reserve_rows else None,
+            "since": time.monotonic(), "deaths": 0,
+            "rows": self._reserve_rows(int(counts.sum())) if reserve_rows else None, "nrows": int(counts.sum()),
         }
         with self._claims_lock:
             self._claims[claim["claim_id"]] = claim
@@ -219,8 +265,15 @@ class GroupRegistry:
         self._last_orphan_check = now
         taken = []
         with self._claims_lock:
-            for claim in self._claims.values():
+            for claim in list(self._claims.values()):
                 if claim["owner"] != owner and not _pid_alive(claim["owner"]):
+                    claim["deaths"] = claim.get("deaths", 0) + (claim["owner"] != 0)  # 0: restored, no owner yet
+                    if claim["deaths"] >= MAX_WRITER_DEATHS:
+                        reason = (f"its writers died {claim['deaths']} times while writing it (last: process "
+                                  f"{claim['owner']})")
+                        record = self._quarantine_locked(claim["claim_id"], reason)
+                        taken.append(dict(self._public(claim), quarantine=record))
+                        continue
                     claim["owner"], claim["since"] = owner, now
                     taken.append(self._public(claim))
         return taken
@@ -242,6 +295,41 @@ class GroupRegistry:
                         taken.append(self._public(claim))
                 return taken
         return self._orphans(owner, force=True)
+
+    # -- quarantine --------------------------------------------------------------------------------------------
+    def quarantine(self, claim_id: str, reason: str) -> dict | None:
+        """A writer could not write this claim: drop it with reason ``quarantined`` (never handed on again);
+        returns its record (None if it was confirmed or quarantined already)."""
+        with self._claims_lock:
+            if claim_id not in self._claims:
+                return None
+            return self._quarantine_locked(claim_id, reason)
+
+    def _quarantine_locked(self, claim_id: str, reason: str) -> dict:
+        claim = self._claims.pop(claim_id)
+        record = {"claim_id": claim_id, "group": claim["group"], "reason": str(reason),
+                  "handles": list(claim["selected"]) + list(claim["unselected"]), "rows": claim["rows"],
+                  "time": time.time()}
+        self._quarantine.append(record)
+        self._reasons["quarantined"] += 1
+        if claim["rows"] is not None and claim.get("nrows"):
+            with self._rows_lock:
+                self._free_rows.append((claim["rows"], claim["nrows"]))
+        mc = self._shards[0].mc  # counters are summed over shards: any shard may carry the correction
+        with self._shards[0].lock:
+            mc._stats["written_groups"] -= claim["deltas"].get("written_groups", 0)
+            mc._stats["dropped_groups"] += 1
+        return record
+
+    def quarantined(self) -> list[dict]:
+        """Records of quarantined groups: claim id, group, handles (payloads under ``quarantine/<claim id>/``
+        of the staging directory), reason, reserved rows, time."""
+        with self._claims_lock:
+            return [dict(r) for r in self._quarantine]
+
+    def drop_reasons(self) -> dict:
+        """Groups dropped for a reason of rbpipe's own (also counted in ``dropped_groups``)."""
+        return dict(self._reasons)
 
     # -- stats -------------------------------------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -298,7 +386,8 @@ class GroupRegistry:
         with self._claims_lock:
             claims = [dict(c, owner=0) for c in self._claims.values()]
         return {"version": 1, "options": self.options(), "queued": queued, "claims": claims, "stats": raw,
-                "rows": self._rows}
+                "rows": self._rows, "free_rows": list(self._free_rows), "quarantined": self.quarantined(),
+                "drop_reasons": self.drop_reasons()}
 
     def restore(self, snap: dict) -> int:
         """Re-queue a snapshot's pending trajectories (in their arrival order) and claims; returns how many."""
@@ -324,6 +413,11 @@ class GroupRegistry:
                 self._shards[0].mc._stats[name] = value
         with self._rows_lock:
             self._rows = max(self._rows, int(snap.get("rows", 0)))
+            self._free_rows.extend((int(a), int(b)) for a, b in snap.get("free_rows", []))
+        with self._claims_lock:
+            self._quarantine.extend(snap.get("quarantined", []))
+            for name, value in snap.get("drop_reasons", {}).items():
+                self._reasons[name] = self._reasons.get(name, 0) + int(value)
         return count
 
 
@@ -331,12 +425,52 @@ _REGISTRIES: dict[str, GroupRegistry] = {}
 _REGISTRIES_LOCK = threading.Lock()
 
 
-def get_registry(name: str, options: dict | None = None, shards: int = 16) -> GroupRegistry:
-    """Manager-side factory: one registry per name (created on first use, with ``options``)."""
+def get_registry(name: str, options: dict | None = None, shards: int = 16,
+                 staging: dict | None = None) -> GroupRegistry:
+    """Manager-side factory: one registry per name (created on first use, with ``options`` and ``staging``).
+    A joiner checks what it joined with :func:`join_problem` (an error raised in here would reach it as a
+    traceback string)."""
     with _REGISTRIES_LOCK:
         reg = _REGISTRIES.get(name)
         if reg is None:
             if options is None:
                 raise KeyError(f"no grouping registry named {name!r} in this manager")
-            reg = _REGISTRIES[name] = GroupRegistry(options, shards=shards)
+            reg = _REGISTRIES[name] = GroupRegistry(options, shards=shards, staging=staging)
         return reg
+
+
+def join_problem(name: str, joined: dict, options: dict | None, staging: dict | None) -> str | None:
+    """Why a transform with ``options``/``staging`` must not share registry ``name`` (``joined``: the registry's
+    :meth:`~GroupRegistry.join_info`), or None. Grouping silently with options its caller did not ask for, or
+    handing out handles it cannot read, is never right."""
+    theirs = joined["options"]
+    if options is not None:
+        diff = [k for k in sorted(set(options) | set(theirs))
+                if _canonical(options.get(k)) != _canonical(theirs.get(k))]
+        if diff:
+            shown = ", ".join(f"{k}={options.get(k)!r} (the registry has {theirs.get(k)!r})" for k in diff)
+            return (f"grouping registry {name!r} already exists with other options: {shown}. Build every "
+                    "transform that shares it with the same options, or use another name")
+    path = (joined.get("staging") or {}).get("path")
+    if staging is not None and path is not None and staging["path"] != path:
+        hint = (" (no staging_dir given: a private temporary directory, which other processes cannot read)"
+                if staging.get("temporary") else "")
+        return (f"grouping registry {name!r} stages payloads in {path}, this transform in {staging['path']}"
+                f"{hint}: every process sharing a registry must share its staging directory; pass "
+                f"staging_dir={path!r}")
+    return None
+
+
+def _canonical(value):
+    """A comparable form of an option value (a selector object compares by type and attributes)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _canonical(v)) for k, v in value.items()))
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    attrs = getattr(value, "__dict__", None)
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    if attrs is None or callable(value) and not attrs:
+        return name
+    return name, tuple(sorted((k, _canonical(v)) for k, v in attrs.items() if not k.startswith("__")))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,7 +23,8 @@ from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import Staging, decode_leaves, temporary_staging_parent, td_from_leaves
+from rbpipe.grouping.staging import (HANDLE, Staging, decode_leaves, remove_at_exit, td_from_leaves,
+                                     temporary_staging_parent)
 from rbpipe.schema import REQUIRED_KEYS, numpy_view, validate_trajectory
 from rbpipe.storage.layout import jagged_tensor
 
@@ -44,6 +46,10 @@ class Claim:
     #: one-step members of varying lengths as one TensorDict of ``[n, j]`` jagged leaves, for rbpipe stores
     jagged: TensorDictBase | None = field(default=None, repr=False)
     _build_members: Any = field(default=None, repr=False)
+    #: taken over from a writer that died (or, with ``recover(force=True)``, from another writer)
+    recovered: bool = False
+    #: why writing it failed (set by the writer that quarantined it)
+    error: BaseException | None = field(default=None, repr=False)
 
     @property
     def members(self) -> list[TensorDictBase]:
@@ -91,16 +97,28 @@ class SharedMCAdvantage(MCAdvantage):
                        keep_return_bounds=self.keep_return_bounds, candidate_group_size=self.candidate_group_size,
                        candidate_selection_min_size=self.candidate_selection_min_size,
                        candidate_selector=self.candidate_selector)
+        if name is None and getattr(manager, "joined", False):
+            raise ConfigError("this manager was joined with connect_manager: pass name=... (the same in every "
+                              "process) so the processes share one grouping registry; without it each process "
+                              "groups alone and groups spread over processes never complete")
         self._owns_manager = manager is None
         self._manager = start_manager() if manager is None else manager
         self.registry_name = name or f"grouping-{uuid.uuid4().hex[:12]}"
-        self._registry = open_registry(self._manager, self.registry_name, options, shards)
         self._owns_staging = staging_dir is None
         if staging_dir is None:
             import tempfile
 
             staging_dir = Path(tempfile.mkdtemp(prefix="rbpipe-staging-", dir=temporary_staging_parent()))
         self.staging = Staging(staging_dir)
+        try:
+            self._registry = open_registry(self._manager, self.registry_name, options, shards,
+                                           {"path": str(self.staging.path), "temporary": self._owns_staging})
+        except BaseException:
+            self.shutdown()
+            raise
+        if self._owns_staging:
+            remove_at_exit(self.staging.path)  # a clean exit without shutdown() leaves nothing in /dev/shm
+            call(self._registry, "watch_temporary", str(self.staging.path))  # nor a killed owner
         self.required_keys = tuple(REQUIRED_KEYS if required_keys is None else required_keys)
         self.reserve_rows = reserve_rows
 
@@ -116,7 +134,7 @@ class SharedMCAdvantage(MCAdvantage):
     def is_shared(self) -> bool:
         return True
 
-    def share_memory_(self) -> "SharedMCAdvantage":
+    def share_memory_(self) -> SharedMCAdvantage:
         return self  # already shared: state lives in the manager
 
     def shutdown(self) -> None:
@@ -128,6 +146,7 @@ class SharedMCAdvantage(MCAdvantage):
             import shutil
 
             shutil.rmtree(self.staging.path, ignore_errors=True)
+            remove_at_exit(self.staging.path, remove=False)
             self._owns_staging = False
 
     # -- stats (same keys as torchrl) -----------------------------------------------------------------------------
@@ -152,6 +171,16 @@ class SharedMCAdvantage(MCAdvantage):
 
     def clear_queues(self) -> None:
         self.staging.delete(call(self._registry, "clear_queues"))
+
+    def quarantined(self) -> list[dict]:
+        """Groups that could not be written (records: claim id, group, handles, reason, rows); their payloads
+        are under ``quarantine/<claim id>/`` of the staging directory."""
+        return call(self._registry, "quarantined")
+
+    def drop_reasons(self) -> dict[str, int]:
+        """Groups dropped for rbpipe's own reasons (``quarantined``, ``nonfinite_advantage``); each is also
+        counted in ``dropped_groups``."""
+        return call(self._registry, "drop_reasons")
 
     @property
     def queued_groups(self) -> int:
@@ -209,41 +238,89 @@ class SharedMCAdvantage(MCAdvantage):
         raise BadTrajectoryError(f"group identifier {self.prompt_key!r} must be a string or a tensor, got "
                                  f"{type(group).__name__}")
 
-    def prepare(self, tensordict: TensorDictBase) -> list[tuple[Any, TensorDictBase]]:
-        """Split and validate everything first: a bad trajectory rejects the whole call, nothing queued."""
+    def prepare(self, tensordict: TensorDictBase, check=None) -> list[tuple[Any, TensorDictBase]]:
+        """Split and validate everything first: a bad trajectory rejects the whole call, nothing queued.
+        ``check``: one more test per trajectory (e.g. that it fits the storage), raising to reject."""
         trajs = self.split_trajectories(tensordict)
         out = []
         for traj in trajs:
             validate_trajectory(traj, required=self.required_keys, reward_key=self.rewards_key,
                                 done_key=self.done_key)
+            if check is not None:
+                check(traj)
             out.append((self._group_of(traj), traj))
         return out
 
     # -- the write path ------------------------------------------------------------------------------------------
-    def process(self, tensordict: TensorDictBase) -> Iterator[Claim]:
+    def process(self, tensordict: TensorDictBase, check=None) -> Iterator[Claim]:
         """Queue every trajectory of ``tensordict``; yield the claims (completed groups) this process must write.
 
-        Each yielded claim has its members loaded and advantages set; write them, then :meth:`confirm`.
+        Each yielded claim has its members loaded and advantages set; write them, then :meth:`confirm` (or
+        :meth:`quarantine` one that cannot be written). ``check``: see :meth:`prepare`.
         """
-        for group, traj in self.prepare(tensordict):
+        for group, traj in self.prepare(tensordict, check):
             handle = self.staging.put(traj)
             reward = encode_tensor(traj.get(self.rewards_key))
             decision = call(self._registry, "append", group, handle, reward, os.getpid(), self.reserve_rows)
-            for orphan in decision["recovered"]:
-                yield self.load(orphan)
+            if decision["recovered"]:
+                yield from self._taken_over(decision["recovered"])
             status = decision["status"]
             if status == "dropped":
                 self.staging.delete(decision["handles"])
+                if "message" in decision:
+                    warnings.warn(decision["message"], RuntimeWarning, stacklevel=2)
             elif status == "write":
-                yield self.load(decision)
+                try:
+                    claim = self.load(decision)
+                except Exception as err:
+                    self.quarantine(self._bare_claim(decision), err, warn=False)
+                    raise
+                yield claim
 
     def recover(self, *, force: bool = False) -> list[Claim]:
         """Claims of dead writers (``force``: of any other writer), loaded and ready to write + confirm."""
-        return [self.load(c) for c in call(self._registry, "recover", os.getpid(), force)]
+        return list(self._taken_over(call(self._registry, "recover", os.getpid(), force)))
+
+    def _taken_over(self, decisions: list[dict]) -> Iterator[Claim]:
+        """Claims taken over from writers that died: those the registry quarantined, and those whose payloads
+        cannot be read, are set aside (with a warning); the others are loaded."""
+        for decision in decisions:
+            record = decision.get("quarantine")
+            if record is not None:
+                self._set_aside(self._bare_claim(decision), record)
+                continue
+            try:
+                claim = self.load(decision)
+            except Exception as err:  # noqa: BLE001 - a poison claim must not kill the writer that took it over
+                self.quarantine(self._bare_claim(decision), err)
+                continue
+            claim.recovered = True
+            yield claim
+
+    @staticmethod
+    def _bare_claim(decision: dict) -> Claim:
+        return Claim(decision["claim_id"], decision["group"], list(decision["selected"]),
+                     list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"))
+
+    def quarantine(self, claim: Claim, error: BaseException | str, *, warn: bool = True) -> dict | None:
+        """``claim`` cannot be written: drop it with reason ``quarantined`` (counted, recorded, never handed to
+        another writer) and move its payloads to ``quarantine/<claim id>/``; returns its record. ``warn``:
+        say so (a caller that raises about it instead passes False)."""
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        record = call(self._registry, "quarantine", claim.claim_id, reason)
+        if record is not None:
+            self._set_aside(claim, record, warn)
+        return record
+
+    def _set_aside(self, claim: Claim, record: dict, warn: bool = True) -> None:
+        where = self.staging.quarantine(claim.claim_id, claim.handles, record)
+        if warn:
+            warnings.warn(f"group {claim.group!r} could not be written and was quarantined (counted as dropped, "
+                          f"reason 'quarantined'): {record['reason']}. Its payloads and reason are in {where}",
+                          RuntimeWarning, stacklevel=3)
 
     def load(self, decision: dict) -> Claim:
-        claim = Claim(decision["claim_id"], decision["group"], list(decision["selected"]),
-                      list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"))
+        claim = self._bare_claim(decision)
         payloads = [decode_leaves(self.staging.read(handle)) for handle in claim.selected]
         self._assemble(claim, payloads)
         if claim.assembled is None:
@@ -346,6 +423,12 @@ class SharedMCAdvantage(MCAdvantage):
 
         Unconfirmed claims come back ownerless: call :meth:`recover` (the buffer does) to write them.
         """
+        handles = [h for _, members in snapshot["queued"] for h, _ in members]
+        handles += [h for claim in snapshot["claims"] for h in claim["selected"] + claim["unselected"]]
+        bad = [h for h in handles if not (isinstance(h, str) and HANDLE.fullmatch(h))]
+        if bad:
+            raise ConfigError(f"the snapshot names {len(bad)} payload(s) outside the staging directory's handle "
+                              f"form (e.g. {bad[0]!r}): not a snapshot of this run")
         missing = [h for _, members in snapshot["queued"] for h, _ in members
                    if not (self.staging.path / h).exists()]
         if missing:
@@ -382,6 +465,7 @@ class SharedMCAdvantage(MCAdvantage):
                 continue
             decision = call(self._registry, "append", group, handle, reward, os.getpid(), self.reserve_rows)
             requeued += 1
+            claims.extend(self._taken_over(decision["recovered"]))
             if decision["status"] == "dropped":
                 self.staging.delete(decision["handles"])
             elif decision["status"] == "write":
@@ -389,4 +473,4 @@ class SharedMCAdvantage(MCAdvantage):
         return claims, requeued, torn
 
 
-__all__ = ["SharedMCAdvantage", "Claim", "STAT_NAMES", "QUEUE_STATS"]
+__all__ = ["QUEUE_STATS", "STAT_NAMES", "Claim", "SharedMCAdvantage"]

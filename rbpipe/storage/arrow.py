@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from rbpipe.errors import StoreError
 from rbpipe.storage.base import UNBOUNDED, GroupStorage, pid_alive, writer_id
 from rbpipe.storage.format import SEGMENTS_DIR
 from rbpipe.storage.layout import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
@@ -253,7 +254,14 @@ class ArrowStorage(GroupStorage):
             return v
         name, off, length = self._block_locs[block]
         seg = self._segment(name, off + length)
-        batch = pa.ipc.read_record_batch(pa.ipc.read_message(seg.pabuf.slice(off, length)), self._pschema)
+        try:
+            if off + length > seg.size:
+                raise ValueError(f"the file ends at byte {seg.size}")
+            batch = pa.ipc.read_record_batch(pa.ipc.read_message(seg.pabuf.slice(off, length)), self._pschema)
+        except (ValueError, pa.ArrowException) as err:  # committed bytes that no longer read whole
+            raise StoreError(f"segment {str(seg.path)!r} is damaged: the committed group at bytes {off}.."
+                             f"{off + length} cannot be read ({str(err).splitlines()[0]}); restore the file from "
+                             "a backup (rbpipe never rewrites a committed batch)") from None
         v = {}
         i = 0
         n = batch.num_rows

@@ -76,6 +76,18 @@ def test_truncated_zarr_chunk_raises(tmp_path, size):
         store.get(slice(0, 12))
 
 
+@pytest.mark.parametrize("cut", [0.5, 0.97])
+def test_truncated_arrow_segment_raises(tmp_path, cut):
+    """Committed bytes cut off (or a batch cut mid-body) raise a StoreError naming the segment, never a raw
+    Arrow error or other rows."""
+    _filled(ArrowStorage, tmp_path / "s").close()
+    (segment,) = (tmp_path / "s" / "segments").glob("*.arrows")
+    os.truncate(segment, int(segment.stat().st_size * cut))
+    store = ArrowStorage(tmp_path / "s", create=False)
+    with pytest.raises(StoreError, match=f"segment .*{segment.name}.* is damaged"):
+        store.get(slice(0, 12))
+
+
 def test_zero_byte_chunk_without_committed_rows_is_padding(tmp_path):
     """A writer killed between creating a chunk file and sizing it leaves 0 bytes and no commit into it."""
     _filled(ZarrStorage, tmp_path / "s").close()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
-from rbpipe.errors import RbpipeError
+from rbpipe.errors import ConfigError, RbpipeError
 
 DESCRIPTION = """\
 rbpipe: shared, persistent GRPO replay buffers on torchrl.
@@ -29,7 +32,12 @@ examples:
 """
 
 
-def _add_run(sub) -> None:
+#: what ``--resume`` may change: everything else comes from the saved run (a clear error otherwise)
+RESUME_OVERRIDES = {"steps", "resume", "no_progress", "json"}
+_UNSET = object()
+
+
+def _add_run(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run", help="run the whole pipeline: collectors, shared grouping, store, learner",
         description="Spawn collector processes and a learner around one shared MCAdvantage replay buffer "
@@ -39,7 +47,8 @@ def _add_run(sub) -> None:
     g.add_argument("--collectors", type=int, default=2, help="collector processes")
     g.add_argument("--store", type=Path, help="store directory (default: RUN_DIR/store)")
     g.add_argument("--run-dir", type=Path, help="run directory (default: a new folder under ./runs/)")
-    g.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a stopped or crashed run")
+    g.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue a stopped or crashed run with its saved configuration (only --steps may change)")
     g.add_argument("--backend", choices=["arrow", "zarr"], default="arrow", help="storage backend")
     g.add_argument("--grouping", choices=["rbpipe", "torchrl"], default="rbpipe",
                    help="shared grouping transform: rbpipe's fast one or torchrl's stock shared MCAdvantage")
@@ -57,7 +66,8 @@ def _add_run(sub) -> None:
     g.add_argument("--groups-per-step", type=int, default=8, help="whole groups per learner step")
     g.add_argument("--lr", type=float, default=1e-3, help="learning rate (0 = a control run that cannot learn)")
     g.add_argument("--temperature", type=float, default=1.0, help="collectors' sampling temperature")
-    g.add_argument("--max-new-tokens", type=int, default=3, help="response length")
+    g.add_argument("--max-new-tokens", type=int, default=3,
+                   help="response length: the generation budget, also the constant seq-mean-token-sum-norm divides by")
     g.add_argument("--max-policy-lag", type=int, default=4,
                    help="skip groups sampled by a policy more than this many versions old")
     g.add_argument("--max-lead-groups", type=int,
@@ -80,7 +90,9 @@ def _add_run(sub) -> None:
     g.add_argument("--rollout-is-veto", type=float, nargs=2, metavar=("LOWER", "UPPER"),
                    help="mask a whole sequence if any token weight is outside these bounds")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    g.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
+    g.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object on stdout (table and progress go to stderr)")
+    return p
 
 
 def _add_inspect(sub) -> None:
@@ -120,24 +132,51 @@ def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export a store's committed groups to another format",
                        description="Copy every committed group of STORE into a Zarr store (chunk = one group).")
     p.add_argument("store", type=Path)
-    p.add_argument("--zarr", type=Path, required=True, metavar="OUT", help="output Zarr store directory")
+    p.add_argument("--zarr", type=Path, required=True, metavar="OUT",
+                   help="output Zarr store directory (must not exist yet)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rbpipe", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_run(sub)
+    parser.run_parser = _add_run(sub)
     _add_inspect(sub)
     _add_stress(sub)
     _add_export(sub)
     return parser
 
 
-def _run(args) -> int:
+def explicit_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The ``dest`` of every option given on the command line (not left at its default)."""
+    ns = argparse.Namespace(**{a.dest: _UNSET for a in parser._actions if a.dest != "help"})
+    parser.parse_known_args(argv, ns)
+    return {k for k, v in vars(ns).items() if v is not _UNSET}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_run_options(given: set[str], resume: bool) -> None:
+    """Options that would be silently ignored are errors."""
+    if resume:
+        ignored = sorted(given - RESUME_OVERRIDES)
+        if ignored:
+            raise ConfigError(f"--resume continues a run with its saved configuration, so {_flag(ignored[0])} "
+                              "would be ignored: drop it (only --steps may change on resume), or start a new run "
+                              "with a new --run-dir")
+    for dest in ("rollout_is_mode", "rollout_is_threshold", "rollout_is_veto"):
+        if dest in given and "rollout_is" not in given:
+            raise ConfigError(f"{_flag(dest)} applies only with --rollout-is token|sequence|geometric: add "
+                              f"--rollout-is or drop {_flag(dest)}")
+
+
+def _run(args, given: set[str]) -> int:
     from rbpipe.config import RunConfig
     from workers.launcher import launch
 
+    _check_run_options(given, args.resume is not None)
     loss = {"loss": args.loss, "loss_agg_mode": args.loss_agg_mode, "kl_type": args.kl_type,
             "kl_coef": args.kl_coef, "rollout_is": args.rollout_is, "rollout_is_mode": args.rollout_is_mode}
     if args.rollout_is_threshold:
@@ -154,16 +193,48 @@ def _run(args) -> int:
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         max_lead_groups=args.max_lead_groups,
         micro_batches=args.micro_batches, seed=args.seed, loss=loss)
-    from rbpipe.loss import LossConfig
-
-    LossConfig(**cfg.loss)  # validate before any process starts
-    if args.resume is not None:  # the saved configuration wins; only --steps may extend the run
-        summary = launch(None, resume=args.resume, steps=args.steps, progress=not args.no_progress)
-    else:
-        summary = launch(cfg, run_dir=args.run_dir, store=args.store, progress=not args.no_progress)
-    if args.json:
-        print(json.dumps(summary, default=str))
+    cfg.loss_config()  # validate before any process starts
+    with _stdout_for_json(args.json) as out:
+        log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+        if args.resume is not None:  # the saved configuration wins; only --steps may extend the run
+            summary = launch(None, resume=args.resume, steps=args.steps, progress=not args.no_progress, log=log)
+        else:
+            summary = launch(cfg, run_dir=args.run_dir, store=args.store, progress=not args.no_progress, log=log)
+        if out is not None:
+            out.write(json.dumps(summary, default=str) + "\n")
+            out.flush()
     return 0 if summary["status"] == "done" else 1
+
+
+@contextlib.contextmanager
+def _stdout_for_json(enabled: bool) -> Iterator:
+    """With ``--json``, stdout must carry the JSON object alone: yield a handle on the real stdout while
+    file descriptor 1 (inherited by every worker process) and ``sys.stdout`` point at stderr."""
+    if not enabled:
+        yield None
+        return
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+        err_fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (e.g. captured by a test): Python level only
+        real = sys.stdout
+        sys.stdout = sys.stderr
+        try:
+            yield real
+        finally:
+            sys.stdout = real
+        return
+    saved = os.dup(fd)
+    os.dup2(err_fd, fd)
+    real = os.fdopen(os.dup(saved), "w")
+    try:
+        yield real
+    finally:
+        sys.stdout.flush()
+        real.close()
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def _inspect(args) -> int:
@@ -171,6 +242,10 @@ def _inspect(args) -> int:
 
     limit = None if args.limit == 0 else args.limit
     info = inspect_store(args.store, where=args.where, group=args.group, limit=limit)
+    if args.group is not None and not info["groups"]:
+        print(f"rbpipe inspect: no group {args.group} in {args.store} ({info['groups_committed']} groups "
+              "committed; list them with `rbpipe inspect STORE --limit 0`)", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(info, default=str))
         return 0
@@ -192,8 +267,10 @@ def _inspect(args) -> int:
 
 
 def _stress(args) -> int:
-    from rbpipe.stress import format_stress_table, run_stress
+    from rbpipe.stress import check_stress_args, format_stress_table, run_stress
 
+    check_stress_args(writers=args.writers, trajectories=args.trajectories, group_size=args.group_size,
+                      kill_rate=args.kill_rate)
     impls = ["rbpipe", "torchrl"] if args.grouping == "both" else [args.grouping]
     results = []
     for impl in impls:
@@ -213,6 +290,9 @@ def _stress(args) -> int:
 def _export(args) -> int:
     from rbpipe.storage import export_zarr
 
+    if args.zarr.exists() and (not args.zarr.is_dir() or any(args.zarr.iterdir())):
+        raise ConfigError(f"--zarr {args.zarr} already exists: exporting again would add a second copy of every "
+                          "group; pass a new output directory (or delete it first)")
     n = export_zarr(args.store, args.zarr)
     print(f"exported {n} groups from {args.store} to {args.zarr}")
     return 0
@@ -226,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handlers = {"run": _run, "inspect": _inspect, "stress": _stress, "export": _export}
     try:
+        if args.command == "run":
+            argv = sys.argv[1:] if argv is None else argv
+            return _run(args, explicit_options(parser.run_parser, argv[argv.index("run") + 1:]))
         return handlers[args.command](args)
     except RbpipeError as err:
         print(f"rbpipe {args.command}: error: {err}", file=sys.stderr)

@@ -66,6 +66,9 @@ class RunConfig:
         for name in ("steps", "groups_per_step", "max_new_tokens", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_policy_lag < 0:
+            raise ConfigError(f"--max-policy-lag must be >= 0 (0: train only on groups of the current policy), "
+                              f"got {self.max_policy_lag}")
         if self.max_lead_groups is not None and self.max_lead_groups < self.groups_per_step - 1:
             raise ConfigError(f"--max-lead-groups {self.max_lead_groups} lets collectors run only "
                               f"{self.max_lead_groups + 1} prompt(s) ahead, fewer than the {self.groups_per_step} "
@@ -85,6 +88,13 @@ class RunConfig:
         if self.max_lead_groups is not None:
             return self.max_lead_groups
         return self.groups_per_step * max(1, self.max_policy_lag - 1)
+
+    def loss_config(self):
+        """The learner's :class:`~rbpipe.loss.LossConfig`, with the run's generation budget (``max_new_tokens``):
+        the fixed constant that ``seq-mean-token-sum-norm`` divides by."""
+        from rbpipe.loss import LossConfig
+
+        return LossConfig(**{"max_new_tokens": self.max_new_tokens, **self.loss})
 
     def share_of(self, collector_id: int) -> int:
         """How many of each prompt's samples collector ``collector_id`` produces (split as evenly as possible)."""

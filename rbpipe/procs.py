@@ -3,9 +3,16 @@ the per-process files in shared memory that a killed process leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
+import threading
+import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def pid_alive(pid: int) -> bool:
@@ -23,6 +30,49 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or None if unknown: with
+    the pid it names one process, so a recycled pid is not mistaken for the process recorded earlier."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def same_process_alive(pid: int, started: int | None) -> bool:
+    """True while the process recorded as ``(pid, started)`` still runs (not a later process with its pid)."""
+    if not pid_alive(pid):
+        return False
+    now = start_time(pid)
+    return started is None or now is None or now == started
+
+
+def die_with_parent(parent_pid: int | None, *, poll_s: float = 0.5) -> None:
+    """Make this worker die when ``parent_pid`` (its launcher) dies, however the launcher ends (SIGKILL
+    included), so that no orphan keeps writing a store whose lock names a dead process.
+
+    Linux: ``PR_SET_PDEATHSIG`` (SIGKILL, delivered by the kernel). Everywhere, and for the race where the
+    parent died before the call: a daemon thread that polls the parent pid and kills this process.
+    """
+    if parent_pid is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the watchdog below is enough
+    if os.getppid() != parent_pid:  # the parent is already gone (we were re-parented)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rbpipe-parent-watchdog", daemon=True).start()
 
 
 def shared_memory_dir() -> str | None:
@@ -56,9 +106,41 @@ def sweep_dead_files(directory: str | os.PathLike, prefix: str) -> int:
     return n
 
 
+#: ``-W`` filter for the stdlib resource tracker of a worker. torchrl's ``Storage.__init__`` makes two stdlib
+#: ``mp.Value``s (named semaphores) in every process that opens a storage; that process's own tracker unlinks
+#: them when the process is SIGKILLed, which is the right clean-up, then warns "There appear to be N leaked
+#: semaphore objects". Only that tracker's warning is silenced (a tracker inherits its worker's filters).
+TRACKER_WARNING_FILTER = "ignore:resource_tracker:UserWarning"
+
+
+@contextlib.contextmanager
+def quiet_killed_worker_trackers() -> Iterator[None]:
+    """While starting workers (which inherit the environment), add :data:`TRACKER_WARNING_FILTER` to
+    ``PYTHONWARNINGS``; this process's own warnings are untouched."""
+    old = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old, TRACKER_WARNING_FILTER]))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = old
+
+
+def _parent_pid() -> int | None:
+    """The pid of the process that started this ``multiprocess`` child (None in a process started otherwise)."""
+    import multiprocess
+
+    parent = multiprocess.parent_process()
+    return parent.pid if parent is not None else None
+
+
 def run_worker(name: str, main: Callable[..., Any], *args: Any, cleanup: Callable[[], None] | None = None) -> None:
-    """A worker process's body: Ctrl-C ends it quietly; an exception becomes one line naming the worker
-    and the cause (which the launcher's supervisor reports), a traceback, and exit code 1."""
+    """A worker process's body: it dies with its launcher (:func:`die_with_parent`); Ctrl-C ends it quietly; an
+    exception becomes one line naming the worker and the cause (which the launcher's supervisor reports), a
+    traceback, and exit code 1."""
+    die_with_parent(_parent_pid())
     try:
         main(*args)
     except KeyboardInterrupt:

@@ -33,6 +33,8 @@ class MetricsTail:
         if not self.path.exists():
             return self.last
         with open(self.path) as f:
+            if f.seek(0, 2) < self._offset:  # rewritten shorter (a resume dropped steps past its checkpoint)
+                self._offset = 0
             f.seek(self._offset)
             chunk = f.read()
         complete, _, _ = chunk.rpartition("\n")

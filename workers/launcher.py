@@ -8,6 +8,7 @@ paths of memory-mapped files and of the store).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,8 +23,9 @@ import multiprocess
 
 from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
-from rbpipe.errors import ManagerDiedError, RbpipeError, StoreError
+from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError, StoreError
 from rbpipe.policy import build_model
+from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time
 from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
@@ -31,9 +33,11 @@ from rbpipe.storage.catalog import repair_catalog
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from workers.collector import collector_entry
 from workers.control import DROPPED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
-from workers.learner import METRICS, learner_entry
+from workers.learner import METRICS, learner_entry, truncate_metrics
 
 CONFIG = "config.json"
+PIDS = "pids.json"  # {name: pid} of the run's processes (launcher, manager, learner, collectors)
+PID_STARTS = "pid_starts.json"  # {name: start time in clock ticks}: tells a live process from a recycled pid
 STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
 
 
@@ -60,54 +64,200 @@ def exit_cause(exitcode: int | None) -> str:
 
 
 def new_run_dir(root: Path = Path("runs")) -> Path:
+    """A fresh run directory name (created later, once every input has been checked)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = root / f"{stamp}-{uuid.uuid4().hex[:6]}"
-    path.mkdir(parents=True, exist_ok=False)
-    return path
+    return root / f"{stamp}-{uuid.uuid4().hex[:6]}"
 
 
-def open_storage_for_run(cfg: RunConfig, store: Path):
+def check_store_path(store: Path) -> None:
     if store.exists() and not store.is_dir():
         raise StoreError(f"--store {store} is a file, not a store directory: pass a new or existing "
                          "store directory (rbpipe creates it)")
+
+
+def open_storage_for_run(cfg: RunConfig, store: Path):
+    check_store_path(store)
     cls = ArrowStorage if cfg.backend == "arrow" else ZarrStorage
     return cls(store, ragged_keys=RAGGED_KEYS, group_key=GROUP_KEY)
+
+
+def check_group_size(storage, cfg: RunConfig, store: Path) -> None:
+    """One store holds groups of one size: a run with another ``--grpo-size`` would mix them."""
+    if not len(storage):
+        return
+    spans = storage.group_spans()
+    sizes = sorted({int(b - a) for _, a, b in spans.tolist()})
+    if sizes and sizes != [cfg.grpo_size]:
+        raise ConfigError(f"store {store} holds groups of {'/'.join(map(str, sizes))} trajectories; this run "
+                          f"would add groups of --grpo-size {cfg.grpo_size} to them: pass --grpo-size "
+                          f"{sizes[0]} or a new --store/--run-dir")
+
+
+def runs_alive(run_dir: Path) -> dict[str, int]:
+    """Processes recorded in ``RUN_DIR/pids.json`` that still run (same pid *and* start time)."""
+    try:
+        pids = json.loads((run_dir / PIDS).read_text())
+    except (OSError, ValueError):
+        return {}
+    try:
+        starts = json.loads((run_dir / PID_STARTS).read_text())
+    except (OSError, ValueError):
+        starts = {}
+    return {name: pid for name, pid in pids.items()
+            if isinstance(pid, int) and pid > 0 and same_process_alive(pid, starts.get(name))
+            and (name in starts or _is_python(pid))}
+
+
+def _is_python(pid: int) -> bool:
+    """For pids recorded without a start time (older runs): a recycled pid rarely runs Python."""
+    try:
+        return b"python" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+def refuse_if_running(run_dir: Path) -> None:
+    """A resume must never share a store with processes of the run it continues."""
+    live = runs_alive(run_dir)
+    if live:
+        names = ", ".join(f"{name} pid {pid}" for name, pid in live.items())
+        raise RbpipeError(f"run {run_dir} is still running ({names}): stop it first (kill "
+                          f"{live.get('launcher', next(iter(live.values())))}) or wait for it to end, then resume")
+
+
+def _prepare_resume(run_dir: Path, steps: int | None) -> tuple[RunConfig, Path]:
+    """The saved configuration and store of ``run_dir``, after checking that none of its processes lives."""
+    if not (run_dir / CONFIG).exists():
+        raise RbpipeError(f"--resume {run_dir}: no {CONFIG} there; pass the run directory printed by a "
+                          "previous `rbpipe run`")
+    refuse_if_running(run_dir)
+    cfg = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
+    if steps is not None:
+        cfg.steps = steps  # extend (or shorten) the resumed run; saved once the store is ours
+    return cfg, Path(json.loads((run_dir / "run.json").read_text())["store"])
+
+
+def _prepare_new(run_dir: Path | None, store: Path | None) -> tuple[Path, Path]:
+    """Where a new run goes; refuses a run directory that already holds a run (``--resume`` continues one)."""
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file: pass a new directory")
+    if (run_dir / CONFIG).exists():
+        raise ConfigError(f"--run-dir {run_dir} already holds a run: continue it with `rbpipe run --resume "
+                          f"{run_dir}`, or pass a new --run-dir")
+    store = Path(store) if store is not None else run_dir / "store"
+    check_store_path(store)
+    return run_dir, store
+
+
+class StopRequest:
+    """SIGINT and SIGTERM of the launcher: the first one stops the run as Ctrl-C does (workers stop, the
+    summary is written, the writer lock released); later ones only hurry the shutdown (workers are terminated
+    instead of waited for) and never skip the summary or the lock. The handler raises nothing, so no cleanup
+    step can be cut in half."""
+
+    def __init__(self) -> None:
+        self.signals: list[str] = []
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set there; a library caller in a thread keeps its own
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame) -> None:
+        self.signals.append(signal.Signals(signum).name)
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signals)
+
+    @property
+    def hurry(self) -> bool:
+        return len(self.signals) > 1
+
+    def check(self) -> None:
+        """Between start-up steps: stop now if asked to."""
+        if self.signals:
+            raise _Interrupted()
+
+
+class _Interrupted(Exception):
+    """Start-up was interrupted by :class:`StopRequest` (never escapes :func:`launch`)."""
+
+
+@contextlib.contextmanager
+def sigint_blocked():
+    """Block SIGINT while starting a child: the child inherits the blocked mask, so a Ctrl-C (which the
+    terminal sends to the whole process group) never reaches it, not even while it imports torch; the
+    launcher gets the pending signal as soon as the mask is restored and stops the children itself."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def resume_hint(run_dir: Path) -> str:
+    return f"resume it with: rbpipe run --resume {run_dir}"
 
 
 def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: Path | None = None,
            resume: Path | None = None, steps: int | None = None, progress: bool = True,
            log=print) -> dict[str, Any]:
-    """Run a whole pipeline and return the summary (also written to ``RUN_DIR/summary.json``)."""
-    if resume is not None:
-        run_dir = Path(resume)
-        if not (run_dir / CONFIG).exists():
-            raise RbpipeError(f"--resume {run_dir}: no {CONFIG} there; pass the run directory printed by a "
-                              "previous `rbpipe run`")
-        cfg = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
-        if steps is not None:
-            cfg.steps = steps  # extend (or shorten) the resumed run
-            cfg.save(run_dir / CONFIG)
-        store = Path(json.loads((run_dir / "run.json").read_text())["store"])
-    else:
-        cfg = cfg or RunConfig()
-        run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        store = Path(store) if store is not None else run_dir / "store"
-        cfg.save(run_dir / CONFIG)
-        (run_dir / "run.json").write_text(json.dumps({"store": str(store.resolve())}))
-    store = store.resolve()
+    """Run a whole pipeline and return the summary (also written to ``RUN_DIR/summary.json``).
+
+    Every input is checked before anything is written; SIGINT and SIGTERM stop the run cleanly
+    (:class:`StopRequest`) and every worker dies with the launcher, however it ends.
+    """
+    with StopRequest() as stop_request:  # from here on, Ctrl-C/SIGTERM never cut a step in half
+        if resume is not None:
+            run_dir = Path(resume)
+            cfg, store = _prepare_resume(run_dir, steps)
+        else:
+            cfg = cfg or RunConfig()
+            run_dir, store = _prepare_new(run_dir, store)
+        store = store.resolve()
+        lock = WriterLock(store)
+        lock.acquire()
+        try:
+            storage = open_storage_for_run(cfg, store)
+            check_group_size(storage, cfg, store)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if resume is None or steps is not None:
+                cfg.save(run_dir / CONFIG)
+            if resume is None:
+                (run_dir / "run.json").write_text(json.dumps({"store": str(store)}))
+        except BaseException:
+            lock.release()
+            raise
+        return _launch_locked(cfg, run_dir, store, storage, lock, resume is not None, stop_request,
+                              progress=progress, log=log)
+
+
+def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: WriterLock, resumed: bool,
+                   stop_request: StopRequest, *, progress: bool, log) -> dict[str, Any]:
+    """The run itself, once the store's writer lock is held; always releases it and writes the summary."""
     t0 = time.time()
     ctx = multiprocess.get_context("spawn")
-
-    storage = open_storage_for_run(cfg, store)
-    lock = WriterLock(store)
-    lock.acquire()
     manager = None
     weights = counters = None
     workers: list[Worker] = []
     stop = ctx.Event()
+    status = "interrupted"
     try:
-        manager = start_manager()
+        stop_request.check()
+        with sigint_blocked():
+            manager = start_manager()
+        stop_request.check()
         buffer = make_replay_buffer(storage, grouping=cfg.grouping, manager=manager,
                                     staging_dir=store / "staging", **cfg.grouping_kwargs())
         # trajectories staged by a previous (crashed or stopped) session are queued again, not lost
@@ -128,22 +278,31 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
             state = torch.load(ckpt, weights_only=False)
             model.load_state_dict(state["model"])
             version = int(state["step"])
+        truncate_metrics(run_dir / METRICS, version)  # steps past the checkpoint are trained (and logged) again
         weights.publish(model, version=version, learner_step=version)
-        counters = RunCounters(run_dir / "counters.bin", cfg.collectors, create=resume is None)
+        counters = RunCounters(run_dir / "counters.bin", cfg.collectors, create=not resumed)
         counters.set(LEARNER_DONE, 0)
+        counters.set(LEARNER_STEP, version)  # the progress bar starts where the checkpoint left off
         session_start = {"produced": counters.produced(), "rejected": counters.rejected(), "rows": rows_before_requeue,
                          "requeued": requeued, "torn": torn}
+        stop_request.check()
 
         workers.append(Worker("learner", learner_entry, (cfg, storage, weights, counters, stop, str(run_dir))))
         for cid in range(cfg.collectors):
             workers.append(Worker(f"collector {cid}", collector_entry, (cid, cfg, buffer, weights, counters, stop)))
         pids = {"launcher": os.getpid(), "manager": _manager_pid(manager)}
+        write_pids(run_dir, pids)
         for w in workers:
             _start(ctx, w, pids, run_dir)
-        status = _supervise(cfg, workers, buffer, counters, run_dir, stop, pids, progress=progress, log=log)
+        status = _supervise(cfg, workers, buffer, counters, run_dir, stop, pids, stop_request,
+                            progress=progress, log=log)
+    except _Interrupted:
+        pass
     finally:
+        if stop_request.requested and status == "interrupted":
+            log(f"interrupted ({stop_request.signals[0]}): stopping workers; {resume_hint(run_dir)}")
         stop.set()
-        _stop_all(workers)
+        _stop_all(workers, hurry=lambda: stop_request.hurry)
         stats = _final_stats(locals().get("buffer"))
         if manager is not None:
             try:
@@ -159,26 +318,34 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
         except RbpipeError as err:
             log(f"catalogue repair skipped: {err}")
         lock.release()
-    status = locals().get("status", "interrupted")
     summary = _summarize(cfg, run_dir, store, storage, stats, counters, workers, t0, status,
                          locals().get("session_start"))
     log(summary_table(summary))
+    if status == "interrupted":
+        log(f"run interrupted; {resume_hint(run_dir)}")
     return summary
 
 
 def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
     w.process = ctx.Process(target=w.target, args=w.args, name=f"rbpipe {w.name}", daemon=True)
-    w.process.start()
+    with sigint_blocked(), quiet_killed_worker_trackers():
+        w.process.start()
     if pids is not None and run_dir is not None:
         pids[w.name] = w.process.pid
-        _write_pids(run_dir, pids)
+        write_pids(run_dir, pids)
 
 
-def _write_pids(run_dir: Path, pids: dict) -> None:
-    """``RUN_DIR/pids.json``: who is running now (for operators, and for the fault tests)."""
-    tmp = run_dir / "pids.json.tmp"
-    tmp.write_text(json.dumps(pids))
-    os.replace(tmp, run_dir / "pids.json")
+def _atomic_write(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def write_pids(run_dir: Path, pids: dict) -> None:
+    """``RUN_DIR/pids.json``: who is running now (for operators, the fault tests and ``--resume``, which refuses
+    while any of them lives), and their start times in ``pid_starts.json`` (written first)."""
+    _atomic_write(run_dir / PID_STARTS, {name: start_time(pid) for name, pid in pids.items() if pid})
+    _atomic_write(run_dir / PIDS, pids)
 
 
 def _manager_pid(manager) -> int | None:
@@ -187,11 +354,12 @@ def _manager_pid(manager) -> int | None:
 
 
 def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCounters, run_dir: Path, stop,
-               pids: dict, *, progress: bool, log) -> str:
-    """Watch workers until the learner finishes; restart dead collectors with back-off."""
+               pids: dict, stop_request: StopRequest, *, progress: bool, log) -> str:
+    """Watch workers until the learner finishes or a stop is requested; restart dead collectors with back-off."""
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, desc="learner steps", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=counters.get(LEARNER_STEP), desc="learner steps", unit="step",
+               disable=not progress, dynamic_ncols=True)
     learner = workers[0]
     tail = MetricsTail(run_dir / METRICS)
     last_reward = None
@@ -203,9 +371,11 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
             time.sleep(0.25)
             if counters.get(LEARNER_DONE):
                 return "done"
+            if stop_request.requested:
+                return "interrupted"
             if not learner.process.is_alive():
                 cause = exit_cause(learner.process.exitcode)
-                log(f"learner {cause}; stopping the run (resume it with: rbpipe run --resume {run_dir})")
+                log(f"learner {cause}; stopping the run ({resume_hint(run_dir)})")
                 return f"learner {cause}"
             for w in workers[1:]:
                 if w.process is not None and not w.process.is_alive():
@@ -245,8 +415,7 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
                             written=stats.get("written_groups"), dropped=stats.get("dropped_groups"),
                             queued=stats.get("queued_trajectories"), traj_s=f"{rate:.0f}", refresh=False)
             bar.refresh()
-    except KeyboardInterrupt:
-        log("interrupted: stopping workers")
+    except KeyboardInterrupt:  # only where SIGINT keeps Python's default handler (launch() replaces it)
         return "interrupted"
     finally:
         bar.close()
@@ -261,11 +430,14 @@ def _stall_report(cfg: RunConfig, counters: RunCounters, stats: dict, idle_s: fl
             f"{stats.get('queued_trajectories')}")
 
 
-def _stop_all(workers: list[Worker], timeout: float = 15.0) -> None:
+def _stop_all(workers: list[Worker], timeout: float = 15.0, hurry=lambda: False) -> None:
+    """Wait up to ``timeout`` for workers to stop on their own (they finish their step and close the store),
+    then terminate, then kill; ``hurry()`` (a second Ctrl-C) cuts the wait short."""
     deadline = time.time() + timeout
-    for w in workers:
-        if w.process is not None:
-            w.process.join(timeout=max(0.1, deadline - time.time()))
+    while time.time() < deadline and not hurry():
+        if not any(w.process is not None and w.process.is_alive() for w in workers):
+            break
+        time.sleep(0.05)
     for w in workers:
         if w.process is not None and w.process.is_alive():
             w.process.terminate()

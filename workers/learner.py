@@ -15,7 +15,7 @@ import torch
 from torchrl.data import ReplayBuffer
 
 from rbpipe.config import RunConfig
-from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
+from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.policy import build_learner_actor, build_model
 from rbpipe.procs import run_worker
 from rbpipe.sampling import FreshGroupSampler
@@ -42,7 +42,7 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
     run_dir = Path(run_dir)
     model = build_model(cfg.policy)
     actor = build_learner_actor(model)
-    loss_cfg = LossConfig(**cfg.loss)
+    loss_cfg = cfg.loss_config()
     ref_actor = None
     if loss_cfg.kl_coef:
         ref_model = copy.deepcopy(model).requires_grad_(False)
@@ -70,6 +70,15 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
     _publish_progress(counters, sampler)
     t0 = time.time()
     recent: list[float] = []
+    saved = step
+
+    def checkpoint() -> None:
+        nonlocal saved
+        save_checkpoint(run_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                  "sampler": sampler.state_dict(), "step": step,
+                                  **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})})
+        saved = step
+
     with open(run_dir / METRICS, "a") as metrics_file:
         while step < cfg.steps and not stop_event.is_set():
             if not sampler.can_sample(storage):
@@ -95,12 +104,32 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             recent = (recent + [record["reward_mean"]])[-10:]
             reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or reached:
-                save_checkpoint(run_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                          "sampler": sampler.state_dict(), "step": step,
-                                          **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})})
+                checkpoint()
             if reached:
                 break
+    if step != saved:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
+        checkpoint()
     counters.set(LEARNER_DONE, 1)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics records past ``step`` (the checkpoint a resume starts from): the steps after it are
+    trained again, and each must appear once in ``metrics.jsonl``. A torn last line goes too."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step and line.endswith("\n"):
+            keep.append(line)
+    if len(keep) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
 
 
 def _publish_progress(counters: RunCounters, sampler: FreshGroupSampler) -> None:

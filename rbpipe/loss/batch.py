@@ -85,7 +85,8 @@ def _response_mask(batch: TensorDictBase) -> torch.Tensor:
 
 def step_counts(loss_module: RbpipeGRPOLoss, batch: TensorDictBase) -> dict[str, float]:
     """The step's global aggregation constants: valid tokens and sequences after rollout-IS masking, and the
-    ``seq-mean-token-sum-norm`` constant (config value, else the max response length of the step)."""
+    ``seq-mean-token-sum-norm`` constant (``agg_norm``, by default the generation budget ``max_new_tokens``;
+    only a config with neither falls back to the max response length of the step)."""
     if loss_module.old_from_current and loss_module.needs_old_for_mask:
         raise ConfigError("rollout-IS masking/veto needs lp_old before the forward pass: build the batch with "
                           "recompute_old=True and the loss with old_from_current=False")

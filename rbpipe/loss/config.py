@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rbpipe.errors import ConfigError
@@ -18,7 +19,8 @@ class LossConfig:
 
     ``eps_low``/``eps_high`` default per objective (grpo 0.2/0.2, dapo and cispo 0.2/0.28); ``dual_clip``
     ``None`` is off, ``True`` means ``c = 3.0``; ``agg_norm`` is the constant of ``seq-mean-token-sum-norm``
-    (default: the step's max response length); ``rollout_is`` ``None`` disables the correction (mismatch
+    (default: ``max_new_tokens``, the generation budget, which ``RunConfig.loss_config`` always passes; only a
+    library caller that gives neither gets the step's max response length); ``rollout_is`` ``None`` disables the correction (mismatch
     metrics are still reported); thresholds and veto are ``(lower, upper)`` with ``lower < upper``.
     """
 
@@ -28,6 +30,7 @@ class LossConfig:
     dual_clip: float | bool | None = None
     loss_agg_mode: str = "token-mean"
     agg_norm: float | None = None
+    max_new_tokens: int | None = None  # the generation budget: agg_norm's default
     kl_type: str = "k3"
     kl_coef: float = 0.0
     rollout_is: str | None = None
@@ -44,6 +47,14 @@ class LossConfig:
             self.dual_clip = None
         if self.loss not in POLICY_KINDS:
             raise ConfigError(f"--loss must be one of {', '.join(POLICY_KINDS)}, got {self.loss!r}")
+        for name in ("eps_low", "eps_high", "dual_clip", "agg_norm", "kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
+        if self.max_new_tokens is not None and not self.max_new_tokens >= 1:
+            raise ConfigError(f"max_new_tokens (the generation budget) must be >= 1, got {self.max_new_tokens}")
+        if self.agg_norm is None and self.max_new_tokens is not None:
+            self.agg_norm = float(self.max_new_tokens)
         lo, hi = _DEFAULT_EPS[self.loss]
         self.eps_low = lo if self.eps_low is None else float(self.eps_low)
         self.eps_high = hi if self.eps_high is None else float(self.eps_high)
@@ -72,6 +83,9 @@ class LossConfig:
             raise ConfigError(f"--rollout-is-mode must be one of {', '.join(IS_MODES)}, got {self.rollout_is_mode!r}")
         self.rollout_is_threshold = validate_bounds("--rollout-is-threshold", self.rollout_is_threshold)
         self.rollout_is_veto = validate_bounds("--rollout-is-veto", self.rollout_is_veto)
+        if self.rollout_is is None and self.rollout_is_veto is not None:
+            raise ConfigError("--rollout-is-veto applies only with --rollout-is token|sequence|geometric: add "
+                              "--rollout-is or drop the veto")
         if self.rollout_is is not None and self.rollout_is_threshold is None and self.rollout_is_veto is None:
             raise ConfigError("--rollout-is needs --rollout-is-threshold LOWER UPPER (or a veto): without bounds "
                               "the weights are unbounded")

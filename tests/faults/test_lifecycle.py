@@ -1,0 +1,170 @@
+"""Every process of a run dies with its launcher (issue 16, items 1 and 5).
+
+One run directory goes through a double Ctrl-C during start-up, a SIGTERM, a SIGKILL of the launcher alone,
+and a last ``--resume --json`` to the end: after each stop no process of the run may be left within 10 s, and the
+finished run must have lost nothing (conservation, every learner step logged exactly once, groups unique).
+Processes are found by scanning /proc for the launcher's session (it is started with ``start_new_session``),
+so children that never made it into ``pids.json`` count too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import torch
+
+from tests.faults.test_supervision import wait_for
+
+STEPS = 1000  # stages 2 and 3 are stopped long before; the last resume sets a near target with --steps
+RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress"]
+SMALL = ["--collectors", "1", "--grpo-size", "4", "--groups-per-step", "2", "--steps", str(STEPS)]
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``, from /proc (no psutil)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
+
+
+def assert_all_gone(sid: int, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while session_pids(sid) and time.time() < deadline:
+        time.sleep(0.2)
+    left = session_pids(sid)
+    for pid in left:  # never leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the run still alive {timeout}s after the launcher stopped: {left}"
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def output(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the launcher did not stop within {timeout}s:\n{proc.communicate()[0][-3000:]}")
+
+
+def cleanup(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    for pid in session_pids(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(420)
+def test_every_process_dies_with_the_launcher_and_resume_loses_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    resume = RUN + ["--resume", str(run_dir)]
+
+    # 1. double Ctrl-C (SIGINT to the whole foreground group, as a terminal sends it) 4 s after start, while
+    #    the workers start up (at the earliest once the run directory exists: a slow machine may still import)
+    t0 = time.time()
+    proc = start(RUN + ["--run-dir", str(run_dir), *SMALL])
+    try:
+        wait_for(lambda: (run_dir / "config.json").exists(), 60, "the run directory")
+        time.sleep(max(0.0, 4 - (time.time() - t0)))
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        out = output(proc, 60)
+        assert_all_gone(proc.pid)
+    finally:
+        cleanup(proc)
+    assert "Traceback" not in out, out[-4000:]
+    assert f"rbpipe run --resume {run_dir}" in out, out[-3000:]
+    assert not (run_dir / "store" / ".lock").exists(), "a stale writer lock was left"
+    assert (run_dir / "summary.json").exists(), out[-3000:]
+
+    # 2. plain SIGTERM of the launcher (what `kill PID` sends) after a learner step
+    proc = start(resume)
+    try:
+        wait_for(lambda: len(steps_logged(run_dir)) >= 1, 150, "a learner step")
+        os.kill(proc.pid, signal.SIGTERM)
+        out = output(proc, 60)
+        assert_all_gone(proc.pid)
+    finally:
+        cleanup(proc)
+    assert "Traceback" not in out, out[-4000:]
+    assert f"rbpipe run --resume {run_dir}" in out
+    assert not (run_dir / "store" / ".lock").exists()
+    # the learner checkpointed the step it stopped at: a resume repeats nothing
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"] == len(steps_logged(run_dir))
+
+    # 3. SIGKILL of the launcher alone: its children must not outlive it
+    done = len(steps_logged(run_dir))
+    proc = start(resume)
+    try:
+        wait_for(lambda: len(steps_logged(run_dir)) >= done + 1, 150, "one more learner step")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        assert_all_gone(proc.pid)
+    finally:
+        cleanup(proc)
+    committed = group_ids(run_dir)
+    steps = len(steps_logged(run_dir)) + 2  # beyond any step logged after the last checkpoint
+
+    # 4. resume to the end: nothing lost, every step logged once, the progress never went back;
+    #    with --json, stdout is the summary alone (table, progress and worker output go to stderr)
+    final = subprocess.run(resume + ["--steps", str(steps), "--json"], capture_output=True, text=True, timeout=200)
+    assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+    summary = json.loads(final.stdout)
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert "learner steps" in final.stderr
+    assert summary["conservation_ok"], summary
+    assert summary["learner_steps"] == steps
+    assert steps_logged(run_dir) == list(range(1, steps + 1))
+    assert committed <= group_ids(run_dir)  # every group committed before the kill is still there
+    check_groups(run_dir)
+
+
+def group_ids(run_dir: Path) -> set[int]:
+    from rbpipe.storage import inspect_store
+
+    return {g["group_id"] for g in inspect_store(run_dir / "store", limit=None)["groups"]}
+
+
+def check_groups(run_dir: Path) -> None:
+    """Every stored group whole and correctly normalised. Known, pre-existing race (not an orphan): a collector
+    SIGKILLed after handing over a prompt's last member but before saving its prompt cursor samples that
+    prompt again after the resume, so at most one group id per SIGKILL may be stored twice."""
+    from rbpipe.storage import inspect_store
+
+    groups = inspect_store(run_dir / "store", limit=None)["groups"]
+    assert len(groups) - len({g["group_id"] for g in groups}) <= 1
+    for g in groups:
+        returns = torch.tensor(g["returns"], dtype=torch.float64)
+        assert len(returns) == 4
+        expected = (returns - returns.mean()) / returns.std().clamp_min(1e-6)
+        torch.testing.assert_close(torch.tensor(g["advantages"], dtype=torch.float64), expected,
+                                   atol=1e-5, rtol=1e-5)

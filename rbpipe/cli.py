@@ -26,7 +26,8 @@ examples:
   rbpipe run --collectors 4 --loss dapo --steps 400
   rbpipe run --resume runs/20261202-120000-ab12cd
   rbpipe inspect runs/<run>/store --limit 5
-  rbpipe inspect STORE --json --where "returns_mean > 0.5"
+  rbpipe inspect STORE --json --where "list_avg(returns) > 0.5"
+  rbpipe query STORE "select policy_version, avg(next_reward) from trajectories group by 1 order by 1"
   rbpipe stress --writers 4 --trajectories 4000 --kill-rate 0.001
   rbpipe export STORE --zarr archive.zarr
 """
@@ -89,6 +90,9 @@ def _add_run(sub) -> argparse.ArgumentParser:
                    help="IS weight bounds (LOWER < UPPER)")
     g.add_argument("--rollout-is-veto", type=float, nargs=2, metavar=("LOWER", "UPPER"),
                    help="mask a whole sequence if any token weight is outside these bounds")
+    g.add_argument("--logger", choices=["csv", "tensorboard", "wandb", "mlflow"], default="csv",
+                   help="torchrl logger for the learner's per-step metrics, under RUN_DIR/logs (wandb and "
+                        "mlflow offline: no network); metrics.jsonl is always written")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
     g.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on stdout (table and progress go to stderr)")
@@ -102,8 +106,33 @@ def _add_inspect(sub) -> None:
     p.add_argument("store", type=Path, help="store directory")
     p.add_argument("--json", action="store_true", help='print {"groups": [...], ...} as JSON')
     p.add_argument("--group", help="show only this group id")
-    p.add_argument("--where", help='filter, e.g. "returns_mean > 0.5" or "group_id == 3"')
+    p.add_argument("--where", help='DuckDB SQL condition over the groups view, e.g. "list_avg(returns) > 0.5" '
+                                   'or "group_id = 3" (rbpipe query --help lists the columns)')
     p.add_argument("--limit", type=int, default=20, help="latest N groups (0 = all)")
+
+
+QUERY_EXAMPLES = """\
+examples:
+  rbpipe query STORE "select count(*) from trajectories"
+  rbpipe query STORE "select policy_version, avg(next_reward), count(*) from trajectories group by 1 order by 1"
+  rbpipe query STORE "select group_id, returns, advantages from groups where list_avg(returns) > 0.5" --json
+"""
+
+
+def _add_query(sub) -> None:
+    from rbpipe.inspect_view import VIEWS_HELP
+
+    p = sub.add_parser("query", help="run SQL (DuckDB) over a store's groups and trajectories",
+                       description="Run one DuckDB SQL statement over two views of a store, built from its files "
+                                   "(reads only; never blocks writers; no torch).",
+                       epilog=VIEWS_HELP + "\n" + QUERY_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("store", type=Path, help="store directory (e.g. runs/<run>/store)")
+    p.add_argument("sql", help="one SQL statement over the views groups and trajectories")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true",
+                     help='print {"columns": [...], "rows": [{...}]} as one JSON document')
+    fmt.add_argument("--csv", action="store_true", help="print CSV with a header line (lists as JSON arrays)")
 
 
 def _add_stress(sub) -> None:
@@ -142,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.run_parser = _add_run(sub)
     _add_inspect(sub)
+    _add_query(sub)
     _add_stress(sub)
     _add_export(sub)
     return parser
@@ -173,6 +203,8 @@ def _check_run_options(given: set[str], resume: bool) -> None:
 
 
 def _run(args, given: set[str]) -> int:
+    if not args.no_progress:  # importing torch and spawning the workers takes seconds before the progress line
+        print("rbpipe run: starting processes", file=sys.stderr, flush=True)
     from rbpipe.config import RunConfig
     from workers.launcher import launch
 
@@ -192,7 +224,7 @@ def _run(args, given: set[str]) -> int:
         groups_per_step=args.groups_per_step, lr=args.lr, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         max_lead_groups=args.max_lead_groups,
-        micro_batches=args.micro_batches, seed=args.seed, loss=loss)
+        micro_batches=args.micro_batches, seed=args.seed, loss=loss, logger=args.logger)
     cfg.loss_config()  # validate before any process starts
     with _stdout_for_json(args.json) as out:
         log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
@@ -254,15 +286,17 @@ def _inspect(args) -> int:
     tail = info.get("torn_tail") or {}
     if any(v for v in tail.values() if isinstance(v, (int, float))) or any(isinstance(v, dict) and v for v in tail.values()):
         print(f"note: uncommitted bytes were ignored (never served): {tail}")
-    columns = [("returns", "{:g}", 24), ("advantages", "{:+.2f}", 40), ("collectors", "{:.0f}", 16),
-               ("policy_versions", "{:.0f}", 24)]
-    print(f"{'group_id':>8}  {'n':>3}  " + "  ".join(f"{name:<{width}}" for name, _, width in columns))
-    for g in info["groups"]:
-        cells = []
-        for name, fmt, width in columns:
-            text = " ".join(fmt.format(x) for x in (g.get(name) or []))
-            cells.append(f"{text if len(text) <= width else text[:width - 1] + '~':<{width}}")
-        print(f"{str(g['group_id']):>8}  {g.get('members', 0):>3}  " + "  ".join(cells))
+    from rbpipe.inspect_view import format_groups
+
+    print(format_groups(info["groups"]))
+    return 0
+
+
+def _query(args) -> int:
+    from rbpipe.query import query, to_csv, to_json, to_text
+
+    table = query(args.store, args.sql)
+    print(to_json(table) if args.json else to_csv(table).rstrip("\n") if args.csv else to_text(table))
     return 0
 
 
@@ -304,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"run": _run, "inspect": _inspect, "stress": _stress, "export": _export}
+    handlers = {"run": _run, "inspect": _inspect, "query": _query, "stress": _stress, "export": _export}
     try:
         if args.command == "run":
             argv = sys.argv[1:] if argv is None else argv

@@ -37,6 +37,7 @@ class RunConfig:
     checkpoint_every: int = 10
     target_reward: float | None = None  # stop early once the last 10 steps average at least this
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig keyword arguments
+    logger: str = "csv"  # torchrl logger of the per-step metrics: csv | tensorboard | wandb | mlflow
     # supervision
     max_restarts: int = 3
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -74,6 +75,9 @@ class RunConfig:
                               f"{self.max_lead_groups + 1} prompt(s) ahead, fewer than the {self.groups_per_step} "
                               f"groups a learner step needs, so the run would wait forever; use at least "
                               f"{self.groups_per_step - 1}")
+        from rbpipe.metrics_log import check_logger
+
+        check_logger(self.logger)
         if self.lr < 0:
             raise ConfigError(f"--lr must be >= 0, got {self.lr}")
         if self.temperature <= 0:

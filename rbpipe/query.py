@@ -24,21 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from rbpipe.errors import StoreError
-
-#: what ``rbpipe query --help`` says about the two views (a test checks it names every column of a run's store)
-VIEWS_HELP = """\
-views:
-  groups        one row per committed group (evicted ones too: see live), complete at every commit
-                seq, group_id, members, commit_time, segment, batch, first_row, bytes, live,
-                returns, advantages, collectors, policy_versions, lengths (lists, one value per member,
-                in stored order: use list_avg(returns), list_max(...), unnest(...), returns[1])
-  trajectories  one row per stored (live) trajectory
-                seq, member (position in its group), group_id, and every one-value field of the store:
-                for `rbpipe run` stores advantage, collector_id, next_done, next_reward, policy_version;
-                and per token field its length: tokens_prompt_len, tokens_response_len,
-                log_probs_rollout_len
-  join them on seq: select g.group_id, t.member, t.next_reward from groups g join trajectories t using (seq)
-"""
+from rbpipe.inspect_view import VIEWS_HELP  # noqa: F401  (re-exported: the views' documentation)
 
 _SCALAR_DTYPES = {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
 

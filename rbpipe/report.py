@@ -67,10 +67,16 @@ def plot_rewards(records: list[dict[str, Any]], out: Path, title: str = "rbpipe 
     window = max(1, len(rewards) // 20)
     smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
               for i in range(len(rewards))]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    timing = [k for k in ("learner/busy_fraction", "learner/policy_lag") if any(k in r for r in records)]
+    if timing:  # a second panel: how busy the learner was, and how old the policies of its data were
+        fig, (ax, low) = plt.subplots(2, 1, figsize=(7, 6), dpi=110, sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+        _plot_timing(low, records)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot(steps, rewards, color="#9ecae1", linewidth=1, label="mean reward of the step's batch")
     ax.plot(steps, smooth, color="#08519c", linewidth=2, label=f"moving average ({window} steps)")
-    ax.set_xlabel("learner step")
+    (low if timing else ax).set_xlabel("learner step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
@@ -80,6 +86,24 @@ def plot_rewards(records: list[dict[str, Any]], out: Path, title: str = "rbpipe 
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def _plot_timing(ax, records: list[dict[str, Any]]) -> None:
+    """Learner-busy fraction (left axis) and policy lag in versions (right axis) per step."""
+    busy = [(r["step"], r["learner/busy_fraction"]) for r in records if "learner/busy_fraction" in r]
+    lag = [(r["step"], r["learner/policy_lag"]) for r in records if "learner/policy_lag" in r]
+    lines = []
+    if busy:
+        lines += ax.plot(*zip(*busy), color="#d95f02", linewidth=1, label="learner busy (loss, backward, optimizer)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("busy fraction")
+    ax.grid(alpha=0.3)
+    if lag:
+        right = ax.twinx()
+        lines += right.plot(*zip(*lag), color="#7570b3", linewidth=1, label="policy lag (versions, mean)")
+        right.set_ylabel("policy lag")
+        right.set_ylim(bottom=0)
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right", fontsize="small")
 
 
 def summary_table(summary: dict[str, Any]) -> str:

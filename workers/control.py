@@ -14,6 +14,8 @@ CONSUMED_GROUPS, LEARNER_STEP, LEARNER_DONE, STALE_TRAJECTORIES = 0, 1, 2, 3
 # prompts the pipeline is done with although the learner never trained on them: retired as stale by the
 # learner's sampler (learner-written) and dropped by dynamic sampling (launcher-written, from the grouping stats)
 STALE_GROUPS, DROPPED_GROUPS = 4, 5
+# the learner's start-up phase (rbpipe.progress.LEARNER_*), read by the launcher's progress line
+LEARNER_PHASE = 6
 _FIXED = 8
 
 

@@ -25,6 +25,7 @@ from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError, StoreError
 from rbpipe.policy import build_model
+from rbpipe.progress import STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
 from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time
 from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
@@ -32,7 +33,8 @@ from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from workers.collector import collector_entry
-from workers.control import DROPPED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_TRAJECTORIES, RunCounters
+from workers.control import (DROPPED_GROUPS, LEARNER_DONE, LEARNER_PHASE, LEARNER_STEP, STALE_TRAJECTORIES,
+                             RunCounters)
 from workers.learner import METRICS, learner_entry, truncate_metrics
 
 CONFIG = "config.json"
@@ -282,6 +284,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         weights.publish(model, version=version, learner_step=version)
         counters = RunCounters(run_dir / "counters.bin", cfg.collectors, create=not resumed)
         counters.set(LEARNER_DONE, 0)
+        counters.set(LEARNER_PHASE, 0)
         counters.set(LEARNER_STEP, version)  # the progress bar starts where the checkpoint left off
         session_start = {"produced": counters.produced(), "rejected": counters.rejected(), "rows": rows_before_requeue,
                          "requeued": requeued, "torn": torn}
@@ -358,11 +361,11 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
     """Watch workers until the learner finishes or a stop is requested; restart dead collectors with back-off."""
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=counters.get(LEARNER_STEP), desc="learner steps", unit="step",
-               disable=not progress, dynamic_ncols=True)
+    start_step = counters.get(LEARNER_STEP)
+    bar = tqdm(total=cfg.steps, initial=start_step, desc=STARTING, unit="step", disable=not progress,
+               dynamic_ncols=True)
     learner = workers[0]
     tail = MetricsTail(run_dir / METRICS)
-    last_reward = None
     last_t, last_written = time.time(), 0
     dropped_before = counters.get(DROPPED_GROUPS)  # this session's manager counts from zero
     last_step, last_progress, stall_reported = counters.get(LEARNER_STEP), time.time(), False
@@ -393,9 +396,8 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
                     _start(multiprocess.get_context("spawn"), w, pids, run_dir)
             step = counters.get(LEARNER_STEP)
             bar.n = step
+            bar.set_description(phase(counters.get(LEARNER_PHASE), step, start_step), refresh=False)
             record = tail.poll()
-            if record is not None:
-                last_reward = record["reward_mean"]
             try:
                 stats = buffer.grouping_transform.get_stats()
             except Exception as err:  # noqa: BLE001
@@ -411,13 +413,14 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
             written = int(stats.get("written_groups", 0)) * cfg.grpo_size
             rate = (written - last_written) / max(1e-6, now - last_t)
             last_t, last_written = now, written
-            bar.set_postfix(reward=f"{last_reward:.2f}" if last_reward is not None else "-",
-                            written=stats.get("written_groups"), dropped=stats.get("dropped_groups"),
-                            queued=stats.get("queued_trajectories"), traj_s=f"{rate:.0f}", refresh=False)
+            bar.set_postfix(postfix(record, stats, rate), refresh=False)
             bar.refresh()
     except KeyboardInterrupt:  # only where SIGINT keeps Python's default handler (launch() replaces it)
         return "interrupted"
-    finally:
+    finally:  # what follows (stopping workers, the catalogue, the plot) takes seconds: say so
+        bar.n = counters.get(LEARNER_STEP)
+        bar.set_description(WRITING_SUMMARY, refresh=False)
+        bar.refresh()
         bar.close()
 
 

@@ -16,14 +16,17 @@ from torchrl.data import ReplayBuffer
 
 from rbpipe.config import RunConfig
 from rbpipe.loss import build_loss_batch, make_loss, train_step
+from rbpipe.metrics_log import MetricsSink
 from rbpipe.policy import build_learner_actor, build_model
 from rbpipe.procs import run_worker
+from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity
-from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY
+from rbpipe.storage.gather import parallel_available
+from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.weights import SharedWeights
-from workers.control import (CONSUMED_GROUPS, LEARNER_DONE, LEARNER_STEP, STALE_GROUPS, STALE_TRAJECTORIES,
-                             RunCounters)
+from workers.control import (CONSUMED_GROUPS, LEARNER_DONE, LEARNER_PHASE, LEARNER_STEP, STALE_GROUPS,
+                             STALE_TRAJECTORIES, RunCounters)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -68,6 +71,9 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
     weights.publish(model, version=step, learner_step=step)
     counters.set(LEARNER_STEP, step)
     _publish_progress(counters, sampler)
+    counters.set(LEARNER_PHASE, LEARNER_COMPILING)
+    parallel_available()  # compile (or load from numba's disk cache) the group-copy kernels in their own phase
+    counters.set(LEARNER_PHASE, LEARNER_READY)
     t0 = time.time()
     recent: list[float] = []
     saved = step
@@ -79,15 +85,21 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
                                   **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})})
         saved = step
 
-    with open(run_dir / METRICS, "a") as metrics_file:
+    last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
+    with MetricsSink(run_dir, cfg.logger, start_step=step) as sink:
         while step < cfg.steps and not stop_event.is_set():
             if not sampler.can_sample(storage):
                 _publish_progress(counters, sampler)  # stale groups retired while waiting free the collectors
                 time.sleep(0.005)
                 continue
             rows, info = buffer.sample(return_info=True)
+            busy_start = time.perf_counter()
             batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
             metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
+            now = time.perf_counter()
+            busy_fraction = (now - busy_start) / max(now - last_end, 1e-9)
+            last_end = now
+            lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
             step += 1
             sampler.consumer_version = step
             weights.publish(model, version=step, learner_step=step)
@@ -98,9 +110,10 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
                       "groups_consumed": sampler.consumed_groups, "trained_groups": trained, "stale_groups": sampler.stale_groups,
+                      "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
+                      "learner/policy_lag_max": float(lag.max()),
                       **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+            sink.log(record)
             recent = (recent + [record["reward_mean"]])[-10:]
             reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or reached:

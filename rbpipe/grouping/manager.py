@@ -54,7 +54,7 @@ def _loads(buf: memoryview):
 
 # -- waiting for a message: poll briefly, then sleep ------------------------------------------------------------
 # A process that sleeps in ``read()`` until its next message lets its CPU go idle, and on a virtual machine
-# waking an idle vCPU is slow (README, "Waiting for the manager": one writer went from 2,400 to 5,000
+# waking an idle vCPU is slow (docs/DESIGN.md, "Waiting for the manager": one writer went from 2,400 to 5,000
 # trajectories/s). So a connection polls its socket, yielding the CPU between polls so that runnable processes
 # are not held up, for up to ``RBPIPE_SPIN_US`` microseconds before it sleeps in ``read()``. In the manager at
 # most one connection thread polls at a time: several polling threads only fought over the GIL (4 writers ran

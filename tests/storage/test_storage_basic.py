@@ -219,8 +219,8 @@ def test_catalog_inspect_and_export(tmp_path):
     g3 = info["groups"][0]
     assert g3["returns"] == [3.0, 4.0, 5.0, 6.0]
     assert g3["lengths"] == [float(groups[3][i]["tokens", "response"].shape[0]) for i in range(4)]
-    assert inspect_store(tmp_path / "s", where="returns_mean > 4.4")["groups_matched"] == 2
-    with pytest.raises(StoreError, match="cannot parse"):
+    assert inspect_store(tmp_path / "s", where="list_avg(returns) > 4.4")["groups_matched"] == 2
+    with pytest.raises(StoreError, match="not a SQL condition"):
         inspect_store(tmp_path / "s", where="__import__('os')")
     s.close()
     assert export_zarr(tmp_path / "s", tmp_path / "z") == 5

@@ -154,6 +154,22 @@ def test_unstorable_schema_rejected_before_commit(tmp_path, cls, case):
 KEY_PARTS = st.sampled_from(["a", "A", "b", "a.b", "x", "x.__shape", "x.values", "x.shape", "x.start", "v"])
 
 
+def _td_of(keys: list[tuple[str, ...]]) -> TensorDict | None:
+    """A TensorDict with a ``[2, 3]`` leaf at each key, or None when the keys are no tree (a key is both a leaf
+    and a parent, or repeats)."""
+    tree: dict = {}
+    for key in keys:
+        node = tree
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                return None
+        if key[-1] in node:
+            return None
+        node[key[-1]] = torch.ones(2, 3)
+    return TensorDict(tree, batch_size=[2])
+
+
 @settings(max_examples=60, deadline=None)
 @given(keys=st.lists(st.lists(KEY_PARTS, min_size=1, max_size=2).map(tuple), min_size=1, max_size=5,
                      unique=True),
@@ -161,17 +177,9 @@ KEY_PARTS = st.sampled_from(["a", "A", "b", "a.b", "x", "x.__shape", "x.values",
 def test_accepted_schemas_have_distinct_physical_names(keys, ragged):
     """Whatever ``infer`` accepts is storable on both backends: every Arrow field and Zarr array name is
     distinct even ignoring case; whatever it refuses is refused with a SchemaError."""
-    tree: dict = {}
-    for key in keys:
-        node = tree
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                return  # a key is both a leaf and a parent: not a TensorDict
-        if key[-1] in node:
-            return
-        node[key[-1]] = torch.ones(2, 3)
-    td = TensorDict(tree, batch_size=[2])
+    td = _td_of(keys)
+    if td is None:
+        return
     declared = [k for i, k in enumerate(keys) if i in ragged]
     try:
         schema = Schema.infer(td, declared)
@@ -189,19 +197,12 @@ def test_accepted_schemas_have_distinct_physical_names(keys, ragged):
 @given(keys=st.lists(st.lists(KEY_PARTS, min_size=1, max_size=2).map(tuple), min_size=1, max_size=4,
                      unique=True))
 def test_accepted_schema_takes_a_group(tmp_path_factory, cls, keys):
-    tree: dict = {}
-    for key in keys:
-        node = tree
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                return
-        if key[-1] in node:
-            return
-        node[key[-1]] = torch.ones(2, 3)
+    td = _td_of(keys)
+    if td is None:
+        return
     store = cls(tmp_path_factory.mktemp("s") / "s", ragged_keys=keys[:1])
     try:
-        store.append_group(TensorDict(tree, batch_size=[2]))
+        store.append_group(td)
     except SchemaError:
         assert store.schema is None
         return

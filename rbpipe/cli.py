@@ -25,6 +25,8 @@ examples:
   rbpipe run                                  # 2 collectors + learner, new store under ./runs/
   rbpipe run --collectors 4 --loss dapo --steps 400
   rbpipe run --resume runs/20261202-120000-ab12cd
+  rbpipe run --task examples/custom_task.py:NextDigitTask --steps 100
+  rbpipe run --model path/to/hf_model_dir --task my_tasks.py:MyTask
   rbpipe inspect runs/<run>/store --limit 5
   rbpipe inspect STORE --json --where "list_avg(returns) > 0.5"
   rbpipe query STORE "select policy_version, avg(next_reward) from trajectories group by 1 order by 1"
@@ -62,6 +64,14 @@ def _add_run(sub) -> argparse.ArgumentParser:
     g.add_argument("--candidate-group-size", type=int, help="oversample this many candidates per group")
     g.add_argument("--selector", choices=["first", "uniform", "balanced"], default="balanced",
                    help="how to pick grpo_size trajectories among the candidates")
+    g = p.add_argument_group("task and model")
+    g.add_argument("--task", metavar="SPEC",
+                   help="task to train on: path/to/file.py:Name or package.module:Name, an object (or a class or "
+                        "factory returning one) with prompt(index) -> 1-D LongTensor of token ids and "
+                        "reward(prompt, response) -> float; None: the built-in rbpipe.task:CopyFirstDigitTask")
+    g.add_argument("--model", type=Path, metavar="PATH",
+                   help="local Hugging Face causal-LM directory (save_pretrained output with its tokenizer) that "
+                        "collectors sample and the learner trains; never downloads; None: the built-in tiny Qwen2")
     g = p.add_argument_group("rollouts and learner")
     g.add_argument("--steps", type=int, help="learner steps (default 300; with --resume: the saved run's)")
     g.add_argument("--groups-per-step", type=int, default=8, help="whole groups per learner step")
@@ -75,6 +85,11 @@ def _add_run(sub) -> argparse.ArgumentParser:
                    help="how many prompts collectors may run ahead of the prompts the pipeline is done with "
                         "(trained on, skipped as stale, or dropped) "
                         "(default: groups-per-step x (max-policy-lag - 1), which keeps data within the lag)")
+    g.add_argument("--samples-per-insert", type=float, default=1.0,
+                   help="rate limiter: groups the learner resolves per group collectors insert, in (0, 1]; "
+                        "below 1 collectors may out-produce the learner (the surplus turns stale)")
+    g.add_argument("--min-groups-to-sample", type=int,
+                   help="rate limiter: fresh groups the learner waits for before a step (default: groups-per-step)")
     g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("loss")
@@ -223,8 +238,11 @@ def _run(args, given: set[str]) -> int:
         steps=args.steps if args.steps is not None else RunConfig.steps,
         groups_per_step=args.groups_per_step, lr=args.lr, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
-        max_lead_groups=args.max_lead_groups,
-        micro_batches=args.micro_batches, seed=args.seed, loss=loss, logger=args.logger)
+        max_lead_groups=args.max_lead_groups, samples_per_insert=args.samples_per_insert,
+        min_groups_to_sample=args.min_groups_to_sample,
+        micro_batches=args.micro_batches, seed=args.seed, loss=loss, logger=args.logger,
+        **({"task": args.task} if args.task is not None else {}),
+        model=str(args.model) if args.model is not None else None)
     cfg.loss_config()  # validate before any process starts
     with _stdout_for_json(args.json) as out:
         log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print

@@ -9,6 +9,7 @@ from typing import Any
 
 from rbpipe.errors import ConfigError
 from rbpipe.policy import PolicyConfig
+from rbpipe.task_spec import DEFAULT_TASK, normalize_spec
 
 
 @dataclass
@@ -24,6 +25,8 @@ class RunConfig:
     candidate_group_size: int | None = None
     selector: str = "balanced"
     # task and rollouts
+    task: str = DEFAULT_TASK  # task spec (rbpipe.task_spec): every process builds the task from this string
+    model: str | None = None  # local Hugging Face model directory; None = the built-in tiny Qwen2 (``policy``)
     max_new_tokens: int = 3
     temperature: float = 1.0
     seed: int = 0
@@ -34,6 +37,8 @@ class RunConfig:
     micro_batches: int = 1
     max_policy_lag: int = 4
     max_lead_groups: int | None = None  # collectors' lead over the learner; default keeps data within the lag
+    samples_per_insert: float = 1.0  # rate limiter (rbpipe.rate_limit): groups resolved per group inserted
+    min_groups_to_sample: int | None = None  # rate limiter's minimum size to sample; default groups_per_step
     checkpoint_every: int = 10
     target_reward: float | None = None  # stop early once the last 10 steps average at least this
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig keyword arguments
@@ -70,11 +75,7 @@ class RunConfig:
         if self.max_policy_lag < 0:
             raise ConfigError(f"--max-policy-lag must be >= 0 (0: train only on groups of the current policy), "
                               f"got {self.max_policy_lag}")
-        if self.max_lead_groups is not None and self.max_lead_groups < self.groups_per_step - 1:
-            raise ConfigError(f"--max-lead-groups {self.max_lead_groups} lets collectors run only "
-                              f"{self.max_lead_groups + 1} prompt(s) ahead, fewer than the {self.groups_per_step} "
-                              f"groups a learner step needs, so the run would wait forever; use at least "
-                              f"{self.groups_per_step - 1}")
+        self.check_rate_limit()
         from rbpipe.metrics_log import check_logger
 
         check_logger(self.logger)
@@ -82,9 +83,51 @@ class RunConfig:
             raise ConfigError(f"--lr must be >= 0, got {self.lr}")
         if self.temperature <= 0:
             raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
-        if self.max_new_tokens + 7 > self.policy.max_positions:
+        self.task = normalize_spec(self.task)
+        if self.model is not None:
+            self.model = str(Path(self.model).expanduser().resolve())  # a --resume from elsewhere finds it
+        if self.model is None and self.task == DEFAULT_TASK and self.max_new_tokens + 7 > self.policy.max_positions:
             raise ConfigError(f"--max-new-tokens {self.max_new_tokens} does not fit the model's "
                               f"{self.policy.max_positions} positions")
+
+    def make_task(self):
+        """The run's task, built from its spec (each process builds its own)."""
+        from rbpipe.task_spec import load_task
+
+        return load_task(self.task, seed=self.seed)
+
+    def make_model(self):
+        """The policy model every process starts from: ``--model PATH`` or the built-in tiny Qwen2."""
+        return self.make_model_and_tokenizer(with_tokenizer=False)[0]
+
+    def make_model_and_tokenizer(self, *, with_tokenizer: bool = True):
+        """``(model, tokenizer)``: the learner's actor needs the model's own tokenizer (pad id)."""
+        from rbpipe.policy import build_model, build_tokenizer, load_pretrained
+
+        if self.model is not None:
+            return load_pretrained(self.model, with_tokenizer=with_tokenizer)
+        return build_model(self.policy), build_tokenizer() if with_tokenizer else None
+
+    def check_rate_limit(self) -> None:
+        """Refuse a lead, minimum size or ratio under which collectors and learner would wait for good.
+
+        ``max_policy_lag`` cannot deadlock the run: groups that turn stale are retired, and retired groups
+        move the band on as trained ones do."""
+        from rbpipe.rate_limit import check_settings
+
+        if self.max_lead_groups is not None and self.max_lead_groups < self.groups_per_step - 1:
+            raise ConfigError(f"--max-lead-groups {self.max_lead_groups} lets collectors run only "
+                              f"{self.max_lead_groups + 1} prompt(s) ahead, fewer than the {self.groups_per_step} "
+                              f"groups a learner step needs, so the run would wait forever (deadlock); use at "
+                              f"least {self.groups_per_step - 1}")
+        spi = self.samples_per_insert
+        check_settings(spi, spi * (self.lead_groups + 1 - self.min_size_to_sample), self.min_size_to_sample,
+                       self.groups_per_step)
+
+    @property
+    def min_size_to_sample(self) -> int:
+        """Fresh groups the learner waits for before a step (``--min-groups-to-sample``, default one step's)."""
+        return self.min_groups_to_sample if self.min_groups_to_sample is not None else self.groups_per_step
 
     @property
     def lead_groups(self) -> int:

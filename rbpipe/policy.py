@@ -3,6 +3,7 @@
 A 2-layer ``Qwen2`` model over a 14-token vocabulary and a ``tokenizers`` WordLevel tokenizer. Rollouts
 use a short explicit sampling loop so the rollout log-probs are exact; the learner recomputes
 log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which ``GRPOLoss`` drives.
+``--model PATH`` swaps the built-in model for a local Hugging Face directory (:func:`load_pretrained`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,12 +64,63 @@ def build_model(cfg: PolicyConfig = PolicyConfig()) -> torch.nn.Module:
     return model.eval()
 
 
-def build_learner_actor(model: torch.nn.Module):
-    """torchrl's TransformersWrapper in log-prob mode: the ``actor_network`` of ``GRPOLoss``."""
+def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[torch.nn.Module, Any]:
+    """A causal LM and its tokenizer from a local ``save_pretrained`` directory (``--model PATH``).
+
+    Never downloads (``local_files_only``): a run must not depend on the network. Any failure is a one-line
+    :class:`~rbpipe.errors.ConfigError`.
+
+    Examples:
+        >>> model, tokenizer = load_pretrained("checkpoints/my-model")  # doctest: +SKIP
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rbpipe.errors import ConfigError
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"--model {path}: no such directory; pass a local directory written by "
+                          "model.save_pretrained() and tokenizer.save_pretrained()")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {path}: no config.json there; pass a directory written by "
+                          "model.save_pretrained() (with its tokenizer)")
+    if with_tokenizer and not any((path / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        # transformers would quietly make an empty tokenizer: refuse instead
+        raise ConfigError(f"--model {path}: no tokenizer there (tokenizer_config.json); save it next to the model "
+                          "with tokenizer.save_pretrained(PATH)")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    what = "model"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        what = "tokenizer"
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if with_tokenizer else None
+    except Exception as err:  # noqa: BLE001 - transformers raises many types; all mean "not loadable"
+        text = " ".join(str(err).split())[:300]
+        raise ConfigError(f"--model {path}: cannot load the {what} ({type(err).__name__}: {text}); pass a "
+                          "causal-LM directory saved with save_pretrained() together with its tokenizer") from err
+    return model.eval(), tokenizer
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Token ids a model can embed (the limit a task's prompts must respect)."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's position embeddings cover, when its config says."""
+    value = getattr(model.config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def build_learner_actor(model: torch.nn.Module, tokenizer: Any = None):
+    """torchrl's TransformersWrapper in log-prob mode: the ``actor_network`` of ``GRPOLoss``
+    (``tokenizer``: the model's own; ``None`` = the built-in one)."""
     from torchrl.modules.llm import TransformersWrapper
 
-    return TransformersWrapper(model, tokenizer=build_tokenizer(), input_mode="tokens",
-                               generate=False, return_log_probs=True, pad_output=False)
+    return TransformersWrapper(model, tokenizer=build_tokenizer() if tokenizer is None else tokenizer,
+                               input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
 
 
 @torch.no_grad()

@@ -12,31 +12,31 @@ import torch
 
 from rbpipe.config import RunConfig
 from rbpipe.errors import BadTrajectoryError
-from rbpipe.policy import build_model, sample_responses
+from rbpipe.policy import sample_responses
 from rbpipe.procs import run_worker
+from rbpipe.rate_limit import RateLimiter
 from rbpipe.schema import make_trajectory
-from rbpipe.task import CopyFirstDigitTask
 from rbpipe.weights import SharedWeights
 from workers.control import RunCounters
 
 
 def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeights,
-                  counters: RunCounters, stop_event) -> None:
+                  counters: RunCounters, stop_event, limiter: RateLimiter) -> None:
     torch.set_num_threads(1)  # one core per process; avoids oversubscription on small machines
-    model = build_model(cfg.policy)
+    model = cfg.make_model()  # --model PATH or the built-in one; the learner's weights replace its own
     version = weights.load_into(model)
-    task = CopyFirstDigitTask(seed=cfg.seed)
+    task = cfg.make_task()  # built here from the spec: prompt(i) is the same in every process
     share = cfg.share_of(collector_id)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + collector_id * 104_729 + counters.prompt_cursor(collector_id))
     index = counters.prompt_cursor(collector_id)
+    limiter.set_inserted(collector_id, index)
     while not stop_event.is_set():
         if share == 0:
             time.sleep(0.1)
             continue
-        # flow control: stay at most max_lead_groups prompts ahead of what the pipeline is done with
-        if index - counters.resolved_groups() > cfg.lead_groups:
-            time.sleep(0.005)
-            continue
+        # flow control: the shared rate limiter keeps this collector within its lead over the learner
+        if not limiter.wait_insert(1, collector_id, stop_event=stop_event):
+            break
         if weights.version != version:
             version = weights.load_into(model)
         prompt = task.prompt(index)
@@ -44,7 +44,7 @@ def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeig
                                              temperature=cfg.temperature, generator=gen)
         for response, lp in zip(tokens, log_probs):
             traj = make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
-                                   reward=task.reward(prompt, response), collector_id=collector_id,
+                                   reward=float(task.reward(prompt, response)), collector_id=collector_id,
                                    policy_version=version)
             counters.add_produced(collector_id)
             try:
@@ -54,6 +54,7 @@ def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeig
                 print(f"[collector {collector_id}] rejected a trajectory: {err}", flush=True)
         index += 1
         counters.set_prompt_cursor(collector_id, index)
+        limiter.set_inserted(collector_id, index)
 
 
 def _close_storage(buffer) -> None:

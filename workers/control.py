@@ -66,9 +66,9 @@ class RunCounters:
         return int(self._a[_FIXED + self.collectors:_FIXED + 2 * self.collectors].sum())
 
     def resolved_groups(self) -> int:
-        """Prompts that left the pipeline: trained on, retired as stale, or dropped. Collectors measure their
-        lead against this, not against trained groups alone: otherwise every stale or dropped group would
-        shrink the allowed lead for good, and enough of them would stall collectors and learner together."""
+        """Prompts that left the pipeline: trained on, retired as stale, or dropped: the rate limiter's
+        samples (:mod:`rbpipe.rate_limit`). Counting trained groups alone would let every stale or dropped
+        group shrink the allowed lead for good, and enough of them would stall collectors and learner together."""
         return self.get(CONSUMED_GROUPS) + self.get(STALE_GROUPS) + self.get(DROPPED_GROUPS)
 
     def unlink(self) -> None:

@@ -24,17 +24,18 @@ import multiprocess
 from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError, StoreError
-from rbpipe.policy import build_model
 from rbpipe.progress import STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
 from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time
 from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
 from rbpipe.storage.catalog import repair_catalog
+from rbpipe.task_spec import check_task_fits
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from workers.collector import collector_entry
-from workers.control import (DROPPED_GROUPS, LEARNER_DONE, LEARNER_PHASE, LEARNER_STEP, STALE_TRAJECTORIES,
-                             RunCounters)
+from rbpipe.rate_limit import RateLimiter
+from workers.control import (CONSUMED_GROUPS, DROPPED_GROUPS, LEARNER_DONE, LEARNER_PHASE, LEARNER_STEP, STALE_GROUPS,
+                             STALE_TRAJECTORIES, RunCounters)
 from workers.learner import METRICS, learner_entry, truncate_metrics
 
 CONFIG = "config.json"
@@ -208,6 +209,13 @@ def sigint_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def check_task_and_model(cfg: RunConfig) -> None:
+    """Build the task and load the model (and its tokenizer) once, as every worker will, so that a bad
+    ``--task`` or ``--model`` is a one-line error before any process starts or any file is written."""
+    model, _ = cfg.make_model_and_tokenizer()
+    check_task_fits(cfg.make_task(), cfg.task, model, cfg.max_new_tokens)
+
+
 def resume_hint(run_dir: Path) -> str:
     return f"resume it with: rbpipe run --resume {run_dir}"
 
@@ -227,6 +235,7 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
         else:
             cfg = cfg or RunConfig()
             run_dir, store = _prepare_new(run_dir, store)
+        check_task_and_model(cfg)  # before the run directory or the store is touched
         store = store.resolve()
         lock = WriterLock(store)
         lock.acquire()
@@ -251,7 +260,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
     t0 = time.time()
     ctx = multiprocess.get_context("spawn")
     manager = None
-    weights = counters = None
+    weights = counters = limiter = None
     workers: list[Worker] = []
     stop = ctx.Event()
     status = "interrupted"
@@ -268,7 +277,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         if requeued or torn:
             log(f"resumed {requeued} pending trajectories from the staging area"
                 + (f"; {torn} torn staging file(s) set aside" if torn else ""))
-        model = build_model(cfg.policy)
+        model = cfg.make_model()
         numel = sum(p.numel() for p in model.parameters())
         weights = SharedWeights(default_weights_dir(run_dir) / f"{WEIGHTS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}",
                                 numel, create=True)
@@ -286,19 +295,22 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         counters.set(LEARNER_DONE, 0)
         counters.set(LEARNER_PHASE, 0)
         counters.set(LEARNER_STEP, version)  # the progress bar starts where the checkpoint left off
+        limiter = _rate_limiter(cfg, run_dir, counters)
         session_start = {"produced": counters.produced(), "rejected": counters.rejected(), "rows": rows_before_requeue,
                          "requeued": requeued, "torn": torn}
         stop_request.check()
 
-        workers.append(Worker("learner", learner_entry, (cfg, storage, weights, counters, stop, str(run_dir))))
+        workers.append(Worker("learner", learner_entry, (cfg, storage, weights, counters, stop, str(run_dir),
+                                                           limiter)))
         for cid in range(cfg.collectors):
-            workers.append(Worker(f"collector {cid}", collector_entry, (cid, cfg, buffer, weights, counters, stop)))
+            workers.append(Worker(f"collector {cid}", collector_entry, (cid, cfg, buffer, weights, counters, stop,
+                                                                          limiter)))
         pids = {"launcher": os.getpid(), "manager": _manager_pid(manager)}
         write_pids(run_dir, pids)
         for w in workers:
             _start(ctx, w, pids, run_dir)
         status = _supervise(cfg, workers, buffer, counters, run_dir, stop, pids, stop_request,
-                            progress=progress, log=log)
+                            progress=progress, log=log, limiter=limiter)
     except _Interrupted:
         pass
     finally:
@@ -314,6 +326,8 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
                 pass
         if weights is not None:
             weights.unlink()
+        if limiter is not None:
+            limiter.unlink()
         try:
             repaired = repair_catalog(store)
             if repaired:
@@ -357,7 +371,7 @@ def _manager_pid(manager) -> int | None:
 
 
 def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCounters, run_dir: Path, stop,
-               pids: dict, stop_request: StopRequest, *, progress: bool, log) -> str:
+               pids: dict, stop_request: StopRequest, *, progress: bool, log, limiter: RateLimiter) -> str:
     """Watch workers until the learner finishes or a stop is requested; restart dead collectors with back-off."""
     from tqdm import tqdm
 
@@ -404,11 +418,12 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
                 raise ManagerDiedError(f"the shared-state manager stopped answering ({err}); the run cannot "
                                        f"continue. Resume it with: rbpipe run --resume {run_dir}") from err
             counters.set(DROPPED_GROUPS, dropped_before + int(stats.get("dropped_groups", 0)))
+            limiter.set_samples(1, counters.get(DROPPED_GROUPS))  # dropped groups move the band on too
             now = time.time()
             if step != last_step:
                 last_step, last_progress, stall_reported = step, now, False
             elif now - last_progress > STALL_REPORT_S and not stall_reported:
-                log(_stall_report(cfg, counters, stats, now - last_progress))
+                log(_stall_report(cfg, counters, stats, now - last_progress, limiter))
                 stall_reported = True
             written = int(stats.get("written_groups", 0)) * cfg.grpo_size
             rate = (written - last_written) / max(1e-6, now - last_t)
@@ -424,13 +439,25 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
         bar.close()
 
 
-def _stall_report(cfg: RunConfig, counters: RunCounters, stats: dict, idle_s: float) -> str:
+def _stall_report(cfg: RunConfig, counters: RunCounters, stats: dict, idle_s: float,
+                  limiter: RateLimiter) -> str:
     """One line that says where a run without learner progress is waiting (printed once per stall)."""
-    cursors = [counters.prompt_cursor(c) for c in range(cfg.collectors)]
-    return (f"no learner step for {idle_s:.0f}s (step {counters.get(LEARNER_STEP)}): collectors at prompts "
-            f"{cursors}, prompts resolved {counters.resolved_groups()} (lead limit {cfg.lead_groups}); groups "
+    blocked = [w for w in range(cfg.collectors) if not limiter.can_insert(1, w)]
+    return (f"no learner step for {idle_s:.0f}s (step {counters.get(LEARNER_STEP)}): {limiter.describe()}; "
+            f"collectors blocked by it {blocked}, learner waited {limiter.sample_blocked_s():.0f}s for data; groups "
             f"written {stats.get('written_groups')}, dropped {stats.get('dropped_groups')}, trajectories queued "
             f"{stats.get('queued_trajectories')}")
+
+
+def _rate_limiter(cfg: RunConfig, run_dir: Path, counters: RunCounters) -> RateLimiter:
+    """The run's one rate limiter (collectors, learner and this supervisor share it), seeded from the
+    counters so that a resumed run starts where the last session's band stood."""
+    limiter = RateLimiter.for_run(cfg, run_dir / "rate_limit.bin", create=True)
+    for cid in range(cfg.collectors):
+        limiter.set_inserted(cid, counters.prompt_cursor(cid))
+    limiter.set_samples(0, counters.get(CONSUMED_GROUPS) + counters.get(STALE_GROUPS))
+    limiter.set_samples(1, counters.get(DROPPED_GROUPS))
+    return limiter
 
 
 def _stop_all(workers: list[Worker], timeout: float = 15.0, hurry=lambda: False) -> None:

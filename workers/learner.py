@@ -17,9 +17,10 @@ from torchrl.data import ReplayBuffer
 from rbpipe.config import RunConfig
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.metrics_log import MetricsSink
-from rbpipe.policy import build_learner_actor, build_model
+from rbpipe.policy import build_learner_actor
 from rbpipe.procs import run_worker
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
+from rbpipe.rate_limit import RateLimiter
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity
 from rbpipe.storage.gather import parallel_available
@@ -40,16 +41,16 @@ def save_checkpoint(run_dir: Path, state: dict) -> None:
 
 
 def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCounters, stop_event,
-                run_dir: str) -> None:
+                run_dir: str, limiter: RateLimiter) -> None:
     torch.set_num_threads(1)
     run_dir = Path(run_dir)
-    model = build_model(cfg.policy)
-    actor = build_learner_actor(model)
+    model, tokenizer = cfg.make_model_and_tokenizer()  # --model PATH or the built-in one
+    actor = build_learner_actor(model, tokenizer)
     loss_cfg = cfg.loss_config()
     ref_actor = None
     if loss_cfg.kl_coef:
         ref_model = copy.deepcopy(model).requires_grad_(False)
-        ref_actor = build_learner_actor(ref_model)
+        ref_actor = build_learner_actor(ref_model, tokenizer)
     probe = make_loss(actor, loss_cfg, ref_actor=ref_actor)
     recompute_old = probe.needs_old_for_mask  # else lp_old = lp.detach(): identical with one update per batch
     loss_module = make_loss(actor, loss_cfg, ref_actor=ref_actor, old_from_current=not recompute_old)
@@ -70,7 +71,7 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
     sampler.consumer_version = step
     weights.publish(model, version=step, learner_step=step)
     counters.set(LEARNER_STEP, step)
-    _publish_progress(counters, sampler)
+    _publish_progress(counters, sampler, limiter)
     counters.set(LEARNER_PHASE, LEARNER_COMPILING)
     parallel_available()  # compile (or load from numba's disk cache) the group-copy kernels in their own phase
     counters.set(LEARNER_PHASE, LEARNER_READY)
@@ -85,13 +86,17 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
                                   **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})})
         saved = step
 
+    blocked_mark = limiter.insert_blocked_s()
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
     with MetricsSink(run_dir, cfg.logger, start_step=step) as sink:
         while step < cfg.steps and not stop_event.is_set():
-            if not sampler.can_sample(storage):
-                _publish_progress(counters, sampler)  # stale groups retired while waiting free the collectors
-                time.sleep(0.005)
-                continue
+            waited_from = time.perf_counter()
+            # stale groups retired while waiting are published at once: they free the collectors
+            if not limiter.wait_sample(cfg.groups_per_step, lambda: sampler.available_groups(storage),
+                                       stop_event=stop_event,
+                                       on_wait=lambda: _publish_progress(counters, sampler, limiter)):
+                break
+            data_wait = time.perf_counter() - waited_from
             rows, info = buffer.sample(return_info=True)
             busy_start = time.perf_counter()
             batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
@@ -104,15 +109,20 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             sampler.consumer_version = step
             weights.publish(model, version=step, learner_step=step)
             counters.set(LEARNER_STEP, step)
-            _publish_progress(counters, sampler)
+            _publish_progress(counters, sampler, limiter)
             reward = rows.get(REWARD_KEY).float()
             trained = _group_fingerprints(rows)
+            blocked_now = limiter.insert_blocked_s()
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
                       "groups_consumed": sampler.consumed_groups, "trained_groups": trained, "stale_groups": sampler.stale_groups,
                       "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
                       "learner/policy_lag_max": float(lag.max()),
+                      "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups
+                      # collectors' time blocked on the rate limit since the last step (all collectors together)
+                      "learner/collectors_rate_limited_s": blocked_now - blocked_mark,
                       **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
+            blocked_mark = blocked_now
             sink.log(record)
             recent = (recent + [record["reward_mean"]])[-10:]
             reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward
@@ -145,11 +155,12 @@ def truncate_metrics(path: Path, step: int) -> None:
         os.replace(tmp, path)
 
 
-def _publish_progress(counters: RunCounters, sampler: FreshGroupSampler) -> None:
-    """What the collectors' flow control and the launcher's summary read."""
+def _publish_progress(counters: RunCounters, sampler: FreshGroupSampler, limiter: RateLimiter) -> None:
+    """What the rate limiter (the collectors' flow control) and the launcher's summary read."""
     counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
     counters.set(STALE_GROUPS, sampler.stale_groups)
     counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
+    limiter.set_samples(0, sampler.consumed_groups + sampler.stale_groups)
 
 
 def _group_fingerprints(rows) -> list[list[int]]:

@@ -9,7 +9,8 @@ source of truth, Arrow segments are read with pyarrow, Zarr arrays with zarr.
   commit boundary (rebuilt from the commit log, not from the lagging Parquet files).
 * ``trajectories``: one row per stored (live) trajectory: ``seq``, ``member`` (position in its group),
   every fixed one-element field (key parts joined with ``_``: ``next_reward``, ``advantage``...) and,
-  for every ragged field, its first-dimension length as ``<name>_len`` (``tokens_response_len``).
+  for every ragged field, its first-dimension length as ``<name>_len`` (``tokens_response_len``); string
+  fields (torchrl's ``"query"``, text) as their text.
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def _arrow_columns(store: Path, cols: list[dict], live: list[dict]) -> dict[str,
         first = loc.get("row", 0)
         batch = batch.slice(first, rec["n"])
         for c in cols:
-            if c["shape"] is None:
+            if c["dtype"] == "str":
+                out[c["column"]].append(np.asarray(batch.column(c["column"]).to_pylist(), dtype=object))
+            elif c["shape"] is None:
                 shape = batch.column(c["column"] + ".__shape")
                 flat = shape.flatten().to_numpy(zero_copy_only=False).reshape(len(batch), -1)
                 out[c["column"]].append(flat[:, 0] if flat.shape[1] else np.ones(len(batch), np.int64))
@@ -115,7 +118,13 @@ def _zarr_columns(store: Path, cols: list[dict], live: list[dict]) -> dict[str, 
         for rec in live:
             row, n = rec["loc"]["row"], rec["n"]
             part = np.asarray(arr[row:row + n])
-            if c["shape"] is None:
+            if c["dtype"] == "str":  # UTF-8 bytes in c.values, each row from c.start for c.shape[0] bytes
+                starts = np.asarray(group[c["column"] + ".start"][row:row + n])
+                lo, hi = int(starts.min()), int((starts + part[:, 0]).max()) if n else 0
+                data = bytes(np.asarray(group[c["column"] + ".values"][lo:hi])) if n else b""
+                part = np.asarray([data[a - lo:a - lo + k].decode() for a, k in zip(starts.tolist(),
+                                                                                   part[:, 0].tolist())], object)
+            elif c["shape"] is None:
                 part = part[:, 0] if part.ndim == 2 and part.shape[1] else np.ones(n, np.int64)
             else:
                 part = part.reshape(n)
@@ -138,8 +147,9 @@ def trajectories_table(store: str | os.PathLike) -> pa.Table:
     }
     for c in cols:
         parts = data[c["column"]]
-        merged = np.concatenate(parts) if parts else np.zeros(0, np.int64 if c["shape"] is None else "f8")
-        name = sql_name(c["column"]) + ("_len" if c["shape"] is None else "")
+        empty = np.zeros(0, object if c["dtype"] == "str" else np.int64 if c["shape"] is None else "f8")
+        merged = np.concatenate(parts) if parts else empty
+        name = sql_name(c["column"]) + ("_len" if c["shape"] is None and c["dtype"] != "str" else "")
         if c["shape"] is not None and c["dtype"] == "bool":
             merged = merged.astype(bool)
         arrays.setdefault(name, merged)

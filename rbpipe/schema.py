@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from rbpipe.errors import BadTrajectoryError
 
@@ -81,7 +81,7 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
             f"expected a TensorDict trajectory, got {type(td).__name__}; build it with "
             "rbpipe.schema.make_trajectory(...)"
         )
-    missing = [k for k in required if td.get(k, None) is None]  # a lookup each: no walk of every key
+    missing = [k for k in required if not _present(td, k)]  # a lookup each: no walk of every key
     if missing:
         present = set(td.keys(True, True))
         names = ", ".join(_key_name(k) for k in missing)
@@ -94,7 +94,7 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
         raise BadTrajectoryError(
             f"a trajectory must have batch_size=[T] with T >= 1 steps, got {tuple(td.shape)}"
         )
-    done = td.get(done_key)
+    done = leaf_steps(td, done_key)
     done_np = numpy_view(done)
     if not (bool(done_np[-1].all()) if done_np is not None else bool(done[-1].all())):
         raise BadTrajectoryError(
@@ -102,7 +102,9 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
             f"({_key_name(done_key)}[-1] is False). Only hand over trajectories that ended; "
             "set done=True on the last step."
         )
-    reward = td.get(reward_key)
+    reward = leaf_steps(td, reward_key)
+    if isinstance(reward, list):  # per-token rewards of varying length (torchrl's lazy-stacked LLM steps)
+        reward = _flat_steps(reward, reward_key)
     if not torch.is_floating_point(reward):
         raise BadTrajectoryError(
             f"reward {_key_name(reward_key)} has dtype {reward.dtype}; rewards must be floating "
@@ -116,6 +118,44 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
             "inf reward would turn every advantage of its group into NaN. Fix the reward function "
             "(or replace non-finite rewards by a number) before handing the trajectory over."
         )
+
+
+def _present(td: TensorDictBase, key) -> bool:
+    try:
+        return td.get(key, None) is not None
+    except RuntimeError:  # a leaf of a lazy stack whose steps differ in shape: present, just not stackable
+        return True
+
+
+def leaf_steps(td: TensorDictBase, key) -> torch.Tensor | list[torch.Tensor]:
+    """``td``'s leaf ``key``: one tensor, or one tensor per step when the steps of a lazy stack hold it with
+    different shapes (torchrl's LLM layout: per-token rewards of each step's length)."""
+    try:
+        return td.get(key)
+    except RuntimeError:
+        if not isinstance(td, LazyStackedTensorDict):
+            raise
+        return [row.get(key) for row in td.unbind(0)]
+
+
+def _flat_steps(parts: list, key) -> torch.Tensor:
+    """Per-step tensors -> one flat tensor (for the checks); refuses what cannot be a reward."""
+    if not all(isinstance(p, torch.Tensor) for p in parts) or len({p.dtype for p in parts}) != 1:
+        raise BadTrajectoryError(f"reward {_key_name(key)} must be a tensor of one dtype on every step, got "
+                                 f"{sorted({type(p).__name__ + ':' + str(getattr(p, 'dtype', '')) for p in parts})}")
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def flat_reward(td: TensorDictBase, key) -> tuple[torch.Tensor, int | None]:
+    """The reward tensor the grouping manager decides on, and the step count when it differs from the
+    tensor's first dim: per-token rewards of varying length are flattened to ``[tokens, 1]`` (their mean,
+    std, sum and max are those of every token, as torchrl computes them on the nested rewards)."""
+    reward = leaf_steps(td, key)
+    if not isinstance(reward, list):
+        if reward.ndim == 2 and not isinstance(td, LazyStackedTensorDict):
+            return reward, None  # the dense [T, k] layout, as it is
+        return reward.reshape(-1, 1), reward.shape[0]  # one shape for every member, whatever its steps hold
+    return _flat_steps(reward, key).reshape(-1, 1), len(reward)
 
 
 #: dtypes whose CPU tensors ``Tensor.numpy()`` views as they are

@@ -7,7 +7,10 @@ a lock held, and appends to different groups do not serialise on one lock.
 Decisions are torchrl's own: each shard runs a process-local :class:`~torchrl.objectives.llm.MCAdvantage`
 on *skeleton* trajectories that carry only the group, the rewards, the done flag and a handle index. The
 skeleton group torchrl returns tells which handles were selected and their advantages, so selection,
-dynamic sampling, rescue and every counter follow torchrl's semantics by construction.
+dynamic sampling, rescue and every counter follow torchrl's semantics by construction. Per-token rewards of
+varying length arrive flattened to ``[tokens, 1]`` with their step count (``completed_decisions`` counts
+steps, as torchrl does); a custom selector gets ``"return"`` and the ``("trajectories", field)`` entries it
+declared, which each writer ships with the reward and which are kept beside the skeletons by handle index.
 
 A completed group becomes a *claim* owned by the appending writer. Its decision counters (written,
 selected, unselected, ...) stay deferred, and its members count as queued, until the owner confirms that
@@ -20,7 +23,8 @@ when a writer reports that its write failed, or when its writers died ``MAX_WRIT
 counted as a dropped group (reason ``quarantined``) and recorded (:meth:`GroupRegistry.quarantined`). A group
 whose advantages come out non-finite from finite rewards (a return that overflows, the std of one value) is
 dropped too (reason ``nonfinite_advantage``): torchrl would write NaNs. Every trajectory handed over stays
-exactly one of written, dropped with a counted reason, or queued.
+exactly one of written, dropped with a counted reason, or queued: a decision that raises (a custom selector:
+reason ``selector_error``; anything else: ``decision_error``) drops its group instead of leaving it queued.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import uuid
 from typing import Any
 
 import torch
-from tensordict import TensorDict
-from torchrl.objectives.llm import MCAdvantage
+from tensordict import TensorDict, lazy_stack
+from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
 from rbpipe.procs import pid_alive as _pid_alive
 from rbpipe.schema import numpy_view
@@ -50,7 +54,7 @@ DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_tr
             "unselected_trajectories")
 QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
 #: Why groups were dropped besides torchrl's own dynamic sampling (counted in ``dropped_groups`` too).
-DROP_REASONS = ("quarantined", "nonfinite_advantage")
+DROP_REASONS = ("quarantined", "nonfinite_advantage", "selector_error", "decision_error")
 #: A claim whose writers died this many times while holding it is quarantined, not handed on again.
 MAX_WRITER_DEATHS = 3
 #: (Manager process.) Temporary staging directories removed when the manager exits (its owner died, shutdown).
@@ -119,9 +123,50 @@ class _SkeletonMCAdvantage(MCAdvantage):
         return torch.cat(tensordicts, dim)  # skeletons are concrete: torchrl's per-member check is moot
 
 
+class SelectorFailed(Exception):
+    """A custom ``candidate_selector`` raised: its group is dropped (reason ``selector_error``)."""
+
+
+class _FieldSelector(MCAdvantageSelector):
+    """Runs a custom selector on what it declared: ``"return"`` and the ``("trajectories", key)`` fields each
+    writer shipped with the trajectory's reward (a skeleton has none of them), looked up by handle index."""
+
+    def __init__(self, inner: MCAdvantageSelector, fields: dict) -> None:
+        self.inner, self.fields = inner, fields
+        self.in_keys = ["return", "trajectories"]
+
+    def select(self, candidates, *, group_size: int, keep_return_bounds=None):
+        try:
+            view = TensorDict({"return": candidates.get("return")}, batch_size=candidates.batch_size)
+            if any(k != "return" for k in self.inner.in_keys):  # fields declared: shipped with the rewards
+                hids = [int(t.get(_H)[0]) for t in candidates.get("trajectories").unbind(0)]
+                view.set("trajectories", lazy_stack([self.fields[h] for h in hids], 0))
+            return self.inner.select(view.select(*self.inner.in_keys, strict=True), group_size=group_size,
+                                     keep_return_bounds=keep_return_bounds)
+        except Exception as err:  # user code: its group is dropped, never left queued
+            raise SelectorFailed(f"{type(err).__name__}: {err}") from err
+
+    def _accepted(self, *args):
+        return self.inner._accepted(*args)
+
+
+def _fields_td(reward: tuple) -> TensorDict:
+    """The fields a selector reads, shipped as the 5th element of a reward message, as one trajectory."""
+    steps = reward[3] if reward[3] is not None else reward[2][0]
+    td = TensorDict(batch_size=[steps])
+    for key, enc in reward[4]:
+        td.set(tuple(key), decode_tensor(*enc))
+    return td
+
+
 class _Shard:
     def __init__(self, options: dict) -> None:
         self.lock = threading.Lock()
+        selector = options.get("candidate_selector")
+        self.fields: dict[int, TensorDict] = {}  # hidx -> fields a custom selector reads
+        if selector is not None and (type(selector) is not MCAdvantageSelector
+                                     or [str(k) for k in selector.in_keys] != ["return"]):
+            options = dict(options, candidate_selector=_FieldSelector(selector, self.fields))
         self.mc = _SkeletonMCAdvantage(prompt_key=_G, rewards_key=_R, advantage_key=_A, done_key=_D, **options)
         self.group_ids: dict[Any, int] = {}  # group -> int id used in skeletons, while queued
         self.members: dict[int, list[tuple[int, str, tuple]]] = {}  # int id -> [(hidx, handle, reward enc)]
@@ -170,7 +215,7 @@ class GroupRegistry:
 
     @staticmethod
     def _skeleton(gid: int, hidx: int, reward: tuple) -> TensorDict:
-        r = decode_tensor(*reward)
+        r = decode_tensor(*reward[:3])  # a 4th element: the step count of flattened per-token rewards
         steps = r.shape[0]
         done = _DONE.get(steps)
         if done is None:  # shared between skeletons: nothing writes into a queued trajectory
@@ -207,15 +252,32 @@ class GroupRegistry:
                 shard.members[gid] = []
             hidx = next(shard.hids)
             shard.members[gid].append((hidx, handle, reward))
+            if len(reward) > 4 and reward[4]:
+                shard.fields[hidx] = _fields_td(reward)
             mc = shard.mc
             before = {name: mc._stats[name] for name in DEFERRED}
-            out = mc._inv_call_single(self._skeleton(gid, hidx, reward))  # torchrl's per-trajectory decision
+            try:
+                out = mc._inv_call_single(self._skeleton(gid, hidx, reward))  # torchrl's per-trajectory decision
+            except Exception as err:  # noqa: BLE001 - a decision that raised must not leave its group stuck
+                out, failed = None, err
+                mc._queue_delete(gid)
+                mc.completed_groups += 1
+                mc.dropped_groups += 1
+            else:
+                failed = None
+            if len(reward) > 3 and reward[3] is not None:  # torchrl counts steps, not flattened tokens
+                mc._stats["completed_decisions"] += reward[3] - reward[2][0]
             if gid in mc.queues:
                 result = {"status": "queued"}
             else:
                 members = shard.members.pop(gid)
                 del shard.group_ids[group]
-                if out is None:
+                if shard.fields:
+                    for hid, _, _ in members:
+                        shard.fields.pop(hid, None)
+                if failed is not None:
+                    result = self._drop_failed(group, members, failed)
+                elif out is None:
                     result = {"status": "dropped", "handles": [h for _, h, _ in members]}
                 elif not bool(torch.isfinite(out.get(_A)).all()):
                     result = self._drop_nonfinite(mc, group, members, out)
@@ -225,12 +287,27 @@ class GroupRegistry:
         result["recovered"] = self._orphans(owner)
         return result
 
+    def _drop_failed(self, group, members, err: Exception) -> dict:
+        """The group's decision raised (its custom selector, or members whose rewards do not combine): the group
+        was dropped (counted), not left stuck in its queue."""
+        handles = [h for _, h, _ in members]
+        if isinstance(err, SelectorFailed):
+            self._reasons["selector_error"] += 1
+            return {"status": "dropped", "handles": handles, "reason": "selector_error",
+                    "message": f"group {group!r} was dropped: its candidate_selector raised {err}. Fix the selector "
+                               "(it runs in the grouping manager and sees 'return' and the ('trajectories', key) "
+                               "fields listed in its in_keys)"}
+        self._reasons["decision_error"] += 1
+        return {"status": "dropped", "handles": handles, "reason": "decision_error",
+                "message": f"group {group!r} was dropped: its advantages could not be computed "
+                           f"({type(err).__name__}: {err}). Give every member rewards of one layout"}
+
     def _drop_nonfinite(self, mc: MCAdvantage, group, members, out: TensorDict) -> dict:
         """torchrl decided to write a group whose advantages are not finite: count it dropped instead."""
         mc._stats["written_groups"] -= 1
         mc._stats["dropped_groups"] += 1
         self._reasons["nonfinite_advantage"] += 1
-        rewards = [float(decode_tensor(*r).double().sum()) for _, _, r in members]
+        rewards = [float(decode_tensor(*r[:3]).double().sum()) for _, _, r in members]
         return {"status": "dropped", "handles": [h for _, h, _ in members], "reason": "nonfinite_advantage",
                 "message": f"group {group!r} was dropped: its advantages are not finite although every reward is "
                            f"(trajectory reward sums {rewards[:8]}): a return overflowed float32, or a group of "
@@ -368,6 +445,7 @@ class GroupRegistry:
                 shard.mc.clear_queues()
                 dropped.extend(h for members in shard.members.values() for _, h, _ in members)
                 shard.members.clear()
+                shard.fields.clear()
                 shard.group_ids.clear()
         return dropped
 
@@ -402,6 +480,8 @@ class GroupRegistry:
                 for handle, reward in members:
                     hidx = next(shard.hids)
                     shard.members[gid].append((hidx, handle, reward))
+                    if len(reward) > 4 and reward[4]:
+                        shard.fields[hidx] = _fields_td(reward)
                     shard.mc.queues[gid].append(self._skeleton(gid, hidx, reward))
                     count += 1
         with self._claims_lock:

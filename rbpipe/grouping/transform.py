@@ -23,10 +23,26 @@ from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import (HANDLE, Staging, decode_leaves, remove_at_exit, td_from_leaves,
-                                     temporary_staging_parent)
-from rbpipe.schema import REQUIRED_KEYS, numpy_view, validate_trajectory
+from rbpipe.grouping.staging import (HANDLE, PLAIN, Staging, decode_leaves, encode_td, remove_at_exit,
+                                     td_from_leaves, temporary_staging_parent)
+from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
 from rbpipe.storage.layout import jagged_tensor
+
+
+def selector_fields(selector: MCAdvantageSelector) -> tuple[tuple[str, ...], ...]:
+    """The trajectory fields a selector declares (``("trajectories", *key)`` in its ``in_keys``), shipped to
+    the manager with each reward; any key but those and ``"return"`` cannot be given there: refused now."""
+    fields = []
+    for key in selector.in_keys:
+        parts = (key,) if isinstance(key, str) else tuple(key)
+        if parts == ("return",):
+            continue
+        if len(parts) < 2 or parts[0] != "trajectories":
+            raise ConfigError(f"candidate_selector in_keys has {key!r}: SharedMCAdvantage runs selectors in its "
+                              "grouping manager and gives them 'return' and ('trajectories', <field>) keys only "
+                              "(the field then travels with each trajectory's reward); use one of those")
+        fields.append(parts[1:])
+    return tuple(fields)
 
 
 @dataclass
@@ -69,17 +85,34 @@ class Claim:
 class SharedMCAdvantage(MCAdvantage):
     """Drop-in shared ``MCAdvantage`` (same options, outputs and ``get_stats()``) for many writer processes.
 
+    Its defaults are torchrl's (``prompt_key="query"``, string or tensor group ids) and it takes what torchrl's
+    LLM stack produces: lazy-stacked steps whose per-token rewards and tokens differ in length, ``str`` leaves
+    (``NonTensorData``, read back exactly). Where it differs from ``MCAdvantage``:
+
+    - every trajectory is checked before anything is queued (:class:`~rbpipe.errors.BadTrajectoryError`):
+      ``required_keys`` must be present, the last step done, rewards floating point and finite;
+    - a leaf that is neither a tensor nor a ``str`` is refused (payloads are staged without pickle);
+    - with ``trajectory_return``, per-token rewards of varying length are reduced over every token of the
+      trajectory (torchrl cannot stack them and raises);
+    - ``candidate_selector`` runs in the manager process: a custom selector reads ``"return"`` and the
+      ``("trajectories", key)`` fields it lists in ``in_keys`` (shipped with each trajectory's reward; tensors
+      of one row per step), nothing else; other keys are refused at construction. A selector that raises drops
+      its group (reason ``selector_error``; any other failed decision: ``decision_error``) instead of leaving it
+      queued for good;
+    - groups whose advantages are not finite are dropped (reason ``nonfinite_advantage``).
+
     Keyword Args (on top of ``MCAdvantage``'s):
         manager: a :func:`~rbpipe.grouping.start_manager` manager (or connected one); ``None`` starts one.
         staging_dir: directory for staged payloads (e.g. ``STORE/staging``, which a restarted run resumes
             from); ``None``: a temporary one in shared memory (``/dev/shm``), removed by :meth:`shutdown`.
         name: registry name inside the manager (independent processes open the same name).
-        required_keys: keys every trajectory must carry (default: the rbpipe schema's).
+        required_keys: keys every trajectory must carry (default: the rbpipe schema's when ``prompt_key`` is
+            ``"group_id"``, else ``prompt_key``, ``rewards_key`` and ``done_key``).
         shards: lock shards of the registry.
         reserve_rows: ask the registry for row ranges (for torchrl storages without ``append_group``).
     """
 
-    def __init__(self, grpo_size: int, prompt_key="group_id", rewards_key=("next", "reward"),
+    def __init__(self, grpo_size: int, prompt_key="query", rewards_key=("next", "reward"),
                  advantage_key="advantage", done_key=("next", "done"), verbose: bool = False, *,
                  trajectory_return=None, keep_return_bounds=None, candidate_group_size=None,
                  candidate_selection_min_size=None, candidate_selector: MCAdvantageSelector | None = None,
@@ -119,7 +152,10 @@ class SharedMCAdvantage(MCAdvantage):
         if self._owns_staging:
             remove_at_exit(self.staging.path)  # a clean exit without shutdown() leaves nothing in /dev/shm
             call(self._registry, "watch_temporary", str(self.staging.path))  # nor a killed owner
-        self.required_keys = tuple(REQUIRED_KEYS if required_keys is None else required_keys)
+        if required_keys is None:
+            required_keys = REQUIRED_KEYS if prompt_key == GROUP_KEY else (prompt_key, rewards_key, done_key)
+        self.required_keys = tuple(required_keys)
+        self._selector_fields = selector_fields(self.candidate_selector)
         self.reserve_rows = reserve_rows
 
     # -- pickling: the proxy and the staging path travel; the manager object stays with its owner ----------------
@@ -178,8 +214,8 @@ class SharedMCAdvantage(MCAdvantage):
         return call(self._registry, "quarantined")
 
     def drop_reasons(self) -> dict[str, int]:
-        """Groups dropped for rbpipe's own reasons (``quarantined``, ``nonfinite_advantage``); each is also
-        counted in ``dropped_groups``."""
+        """Groups dropped for rbpipe's own reasons (``quarantined``, ``nonfinite_advantage``, ``selector_error``,
+        ``decision_error``); each is also counted in ``dropped_groups``."""
         return call(self._registry, "drop_reasons")
 
     @property
@@ -258,9 +294,10 @@ class SharedMCAdvantage(MCAdvantage):
         Each yielded claim has its members loaded and advantages set; write them, then :meth:`confirm` (or
         :meth:`quarantine` one that cannot be written). ``check``: see :meth:`prepare`.
         """
-        for group, traj in self.prepare(tensordict, check):
-            handle = self.staging.put(traj)
-            reward = encode_tensor(traj.get(self.rewards_key))
+        encoded = [(group, encode_td(traj), self._reward_message(traj))  # a leaf that cannot be staged
+                   for group, traj in self.prepare(tensordict, check)]  # rejects the call before anything is queued
+        for group, data, reward in encoded:
+            handle = self.staging.put(data)
             decision = call(self._registry, "append", group, handle, reward, os.getpid(), self.reserve_rows)
             if decision["recovered"]:
                 yield from self._taken_over(decision["recovered"])
@@ -296,6 +333,32 @@ class SharedMCAdvantage(MCAdvantage):
                 continue
             claim.recovered = True
             yield claim
+
+    def _reward_message(self, traj: TensorDictBase) -> tuple:
+        """What the manager decides on: the reward tensor's ``(bytes, dtype, shape)``, plus the step count when
+        per-token rewards of varying length were flattened (``schema.flat_reward``), plus the fields a custom
+        selector declared (``((key parts), encoded tensor)`` pairs), in the one call per trajectory."""
+        reward, steps = flat_reward(traj, self.rewards_key)
+        message = encode_tensor(reward)
+        if self._selector_fields:
+            return (*message, steps, self._fields_of(traj, steps or reward.shape[0]))
+        return message if steps is None else (*message, steps)
+
+    def _fields_of(self, traj: TensorDictBase, steps: int) -> tuple:
+        out = []
+        for key in self._selector_fields:
+            try:
+                value = traj.get(key, None)
+            except RuntimeError:  # steps of different shapes
+                value = None
+            if not (isinstance(value, torch.Tensor) and not value.is_nested and value.ndim
+                    and value.shape[0] == steps):
+                raise BadTrajectoryError(
+                    f"candidate_selector reads ('trajectories', {'.'.join(key)!r}): every trajectory must carry it "
+                    f"as a tensor with one row per step ({steps}), got {type(value).__name__} "
+                    f"{tuple(getattr(value, 'shape', ()))}")
+            out.append((key, encode_tensor(value)))
+        return tuple(out)
 
     @staticmethod
     def _bare_claim(decision: dict) -> Claim:
@@ -333,8 +396,13 @@ class SharedMCAdvantage(MCAdvantage):
         members = []
         for payload, adv in zip(payloads, advantages):
             traj = td_from_leaves(*payload)
-            reward = traj.get(self.rewards_key)
-            traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
+            reward = leaf_steps(traj, self.rewards_key)
+            if isinstance(reward, list):  # per-token rewards: each step gets its tokens' advantages
+                parts = decode_tensor(*adv).reshape(-1).split([r.numel() for r in reward])
+                for row, r, a in zip(traj.unbind(0), reward, parts):
+                    row.set(self.advantage_key, a.reshape(r.shape))
+            else:
+                traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
             members.append(traj)
         return members
 
@@ -359,7 +427,7 @@ class SharedMCAdvantage(MCAdvantage):
             same = True
             for (_, leaves), size in zip(payloads, sizes):
                 k, dt, shape, _ = leaves[i]
-                if dt is None or k != key or dt != dtype or len(shape) != len(shape0) or shape[0] != size:
+                if dt not in PLAIN or k != key or dt != dtype or len(shape) != len(shape0) or shape[0] != size:
                     return
                 same = same and shape[1:] == shape0[1:]
             if not same and not (may_be_jagged and len(shape0) == 2):
@@ -458,7 +526,7 @@ class SharedMCAdvantage(MCAdvantage):
             try:
                 traj = self.staging.load(handle)
                 group = self._group_of(traj)
-                reward = encode_tensor(traj.get(self.rewards_key))
+                reward = self._reward_message(traj)
             except Exception:  # noqa: BLE001 - a torn or foreign file
                 os.replace(path, path.with_name(path.name + ".torn"))
                 torn += 1

@@ -39,7 +39,7 @@ def arrow_schema(schema: Schema) -> pa.Schema:
     for c in schema.columns:
         t = _pa_type(c)
         if c.ragged:
-            fields.append(pa.field(c.name, pa.large_list(t), nullable=False))
+            fields.append(pa.field(c.name, pa.large_string() if c.text else pa.large_list(t), nullable=False))
             fields.append(pa.field(c.name + ".__shape", pa.list_(pa.int64(), c.ndim), nullable=False))
         else:
             width = int(np.prod(c.shape)) * (2 if c.complex else 1)
@@ -69,8 +69,11 @@ def to_record_batch(cols: GroupColumns, schema: Schema, pschema: pa.Schema) -> p
                 np.cumsum(shapes.prod(1) * (2 if c.complex else 1), out=offsets[1:])
             else:
                 offsets[1:] = np.arange(1, n + 1) * (2 if c.complex else 1)
-            arrays.append(pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets)],
-                                                children=[_flat_array(t.value_type, flat)]))
+            if c.text:  # large_string: int64 offsets and the UTF-8 bytes, the same buffers as a byte list
+                arrays.append(pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets), pa.py_buffer(flat)]))
+            else:
+                arrays.append(pa.Array.from_buffers(t, n, [None, pa.py_buffer(offsets)],
+                                                    children=[_flat_array(t.value_type, flat)]))
             shape_type = next(fields).type
             arrays.append(pa.Array.from_buffers(shape_type, n, [None], children=[
                 _flat_array(shape_type.value_type, np.ascontiguousarray(shapes, np.int64).reshape(-1))]))
@@ -279,7 +282,7 @@ class ArrowStorage(GroupStorage):
             col = batch.column(i)
             if c.ragged:
                 offsets = arr(col.buffers()[1], np.int64, n + 1, col.offset)
-                values = arr(col.buffers()[3], c.np_dtype, int(offsets[-1]))
+                values = arr(col.buffers()[2 if c.text else 3], c.np_dtype, int(offsets[-1]))
                 shapes = arr(batch.column(i + 1).buffers()[2], np.int64, n * c.ndim).reshape(n, c.ndim)
                 v[c.key] = (values, offsets, shapes)
                 i += 2

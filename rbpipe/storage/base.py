@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.procs import pid_alive  # noqa: F401 - re-exported for storage modules
@@ -30,8 +30,8 @@ from rbpipe.storage.commitlog import CommitLog
 from rbpipe.storage.gather import concat_tables, pad_ragged, whole_groups
 from rbpipe.storage.format import COMMIT_LOG, FORMAT_VERSION, create_or_open
 from rbpipe.storage.group_index import GroupIndex
-from rbpipe.storage.layout import (GroupColumns, Schema, from_storage_np, jagged_tensor, key_tuple, row_elements,
-                                   take_ragged)
+from rbpipe.storage.layout import (GroupColumns, Schema, decode_texts, from_storage_np, jagged_tensor, key_tuple,
+                                   row_elements, take_ragged)
 
 NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
@@ -471,20 +471,25 @@ class GroupStorage(Storage):
         cols = self._schema.columns
         layout = self.ragged_layout
         fixed = {c.key: from_storage_np(data[c.key], c.dtype) for c in cols if not c.ragged}
+        texts = {c.key: decode_texts(data[c.key]) for c in cols if c.text}
         if layout == "padded":
             for c in cols:
-                if c.ragged:
+                if c.ragged and not c.text:
                     fixed[c.key], fixed[("lengths", *c.key)] = _pad(data[c.key], c, m)
         elif layout == "nested":
             offsets: dict[bytes, torch.Tensor] = {}  # fields with equal row lengths share one ragged dim
             for c in cols:
-                if c.ragged:
+                if c.ragged and not c.text:
                     fixed[c.key] = _jagged(data[c.key], c, m, offsets)
         if not self._schema.has_ragged or layout != "rows" or m == 0:
+            for key, values in texts.items():  # string columns: one str per row
+                fixed[key] = NonTensorStack.from_list(values) if m else NonTensorStack(batch_size=[0])
             return _dense_td(_nest(fixed), torch.Size([m]))
         per_row = {key: t.unbind(0) for key, t in fixed.items()}
+        for key, values in texts.items():
+            per_row[key] = [NonTensorData(v, batch_size=_NO_BATCH) for v in values]
         for c in cols:
-            if c.ragged:
+            if c.ragged and not c.text:
                 per_row[c.key] = _ragged_rows(data[c.key], c)
         return LazyStackedTensorDict(*_row_tensordicts(_nest(per_row), m), stack_dim=0)
 

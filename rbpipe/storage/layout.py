@@ -1,7 +1,8 @@
 """The column schema of a store, inferred from the first write, and TensorDict <-> column conversion.
 
 Every tensor leaf becomes one column. A *fixed* column has the same trailing shape on every row; a
-*ragged* column keeps each row's own trailing shape (same ndim and dtype). Both backends use this module,
+*ragged* column keeps each row's own trailing shape (same ndim and dtype). A ``str`` leaf (``NonTensorData``,
+e.g. torchrl's prompt) becomes a *string column*: a ragged 1-D column of each row's UTF-8 bytes, dtype ``"str"``. Both backends use this module,
 so the schema rules (and their :class:`SchemaError` messages) are the same everywhere.
 """
 
@@ -12,7 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, is_tensor_collection
+from tensordict.utils import is_non_tensor
 
 from rbpipe.errors import NotAGroupError, SchemaError
 from rbpipe.schema import numpy_view
@@ -40,6 +42,9 @@ _DTYPES: dict[torch.dtype, tuple[str, np.dtype]] = {
     torch.complex128: ("complex128", np.dtype(np.float64)),
 }
 _BY_NAME = {name: (dt, npdt) for dt, (name, npdt) in _DTYPES.items()}
+#: dtype name of a string column: one ``str`` per row, kept as a ragged 1-D column of its UTF-8 bytes (FORMAT.md)
+TEXT = "str"
+_BY_NAME[TEXT] = (None, np.dtype(np.uint8))
 
 
 def key_tuple(key: NestedKey) -> tuple[str, ...]:
@@ -91,10 +96,12 @@ class Column:
     ragged: bool = field(init=False, repr=False, compare=False)
     np_dtype: np.dtype = field(init=False, repr=False, compare=False)
     complex: bool = field(init=False, repr=False, compare=False)
+    text: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.name = column_name(self.key)
         self.ragged = self.shape is None
+        self.text = self.dtype == TEXT
         self.np_dtype = _BY_NAME[self.dtype][1]
         self.complex = self.dtype.startswith("complex")
 
@@ -202,8 +209,50 @@ def _leaves(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[tuple[str,
         kind = type(v)  # exact type checks first: isinstance against the ABCs cost a third of the walk
         if kind is torch.Tensor or (kind is not TensorDict and isinstance(v, torch.Tensor)):
             out[prefix + (k,)] = v
-        elif kind is TensorDict or isinstance(v, TensorDictBase):
+        elif kind is TensorDict:
             out.update(_leaves(v, prefix + (k,)))
+        elif is_non_tensor(v):  # a str leaf (NonTensorData / NonTensorStack): a string column
+            out[prefix + (k,)] = v
+        elif isinstance(v, TensorDictBase):
+            out.update(_leaves(v, prefix + (k,)))
+    return out
+
+
+def _text_keys(td: TensorDictBase, rows) -> list[tuple[str, ...]]:
+    """Keys of the non-tensor leaves of a group (of its first row when it is a lazy stack)."""
+    return sorted(k for k, v in _leaves(td if rows is None else rows[0]).items() if is_non_tensor(v))
+
+
+def strings_of(value: Any, n: int, name: str) -> list[str]:
+    """The ``n`` strings of a non-tensor leaf; anything but ``str`` is refused (a store never pickles)."""
+    if isinstance(value, NonTensorData):
+        data = value.data
+        texts = [data] * n if value.batch_dims else [data]
+    else:
+        texts = value.tolist()
+    bad = next((t for t in texts if not isinstance(t, str)), None)
+    if bad is not None or len(texts) != n:
+        what = type(bad).__name__ if bad is not None else f"{len(texts)} values for {n} rows"
+        raise SchemaError(f"key {name!r} holds {what}: a store keeps tensors and str (one per row) only, never "
+                          "pickled objects; convert it to a tensor or a str, or drop it")
+    return texts
+
+
+def text_columns(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Strings -> (UTF-8 bytes back to back, byte lengths as ``[n, 1]`` shapes): a ragged 1-D uint8 column."""
+    data = [t.encode() for t in texts]
+    return (np.frombuffer(b"".join(data), np.uint8),
+            np.fromiter(map(len, data), np.int64, len(data)).reshape(-1, 1))
+
+
+def decode_texts(parts: list[tuple[np.ndarray, np.ndarray]]) -> list[str]:
+    """Inverse of :func:`text_columns` over the parts of a read."""
+    out: list[str] = []
+    for values, shapes in parts:
+        raw, at = values.tobytes(), 0
+        for n in shapes[:, 0].tolist():
+            out.append(raw[at:at + n].decode())
+            at += n
     return out
 
 
@@ -295,7 +344,7 @@ class Schema:
                               f"batch_size={tuple(td.batch_size)}")
         declared = {key_tuple(k) for k in ragged_keys}
         rows = _rows(td)
-        cols = []
+        cols = [Column(key, TEXT, None, 1) for key in _text_keys(td, rows)]
         for key in _leaf_keys(td):
             if rows is None:
                 t = td.get(key)
@@ -323,6 +372,7 @@ class Schema:
             cols.append(Column(key, _DTYPES[dtype][0], shape, ndims.pop()))
         if not cols:
             raise SchemaError("the first group has no tensor fields; nothing to store")
+        cols.sort(key=lambda c: c.key)  # string columns among the others: sorted key order (FORMAT.md)
         check_storable(cols)
         return cls(cols)
 
@@ -343,6 +393,11 @@ class Schema:
                               "first write; write to a new store to change the layout")
         out = GroupColumns(n=td.shape[0])
         for c in self.columns:
+            if c.text:
+                texts = (strings_of(leaves[0][c.key], out.n, c.name) if rows is None else
+                         [t for lv in leaves for t in strings_of(lv[c.key], 1, c.name)])
+                out.ragged[c.key] = text_columns(texts)
+                continue
             if rows is None or not c.ragged:
                 if rows is None:
                     t = leaves[0][c.key]

@@ -55,3 +55,19 @@ def test_empty_store_has_empty_views(tmp_path):
     ArrowStorage(tmp_path / "s").close()
     assert query(tmp_path / "s", "select count(*) as n from trajectories").to_pylist() == [{"n": 0}]
     assert query(tmp_path / "s", "select count(*) as n from groups").to_pylist() == [{"n": 0}]
+
+
+@pytest.mark.parametrize("cls", [ArrowStorage, ZarrStorage])
+def test_string_fields_are_queryable_as_text(tmp_path, cls):
+    """torchrl's LLM data keeps its prompt as a string leaf (``"query"``): the view shows the text itself."""
+    import torch
+    from tensordict import NonTensorData, TensorDict, lazy_stack
+
+    texts = [["2+2=", "2+2= "], ["héllo\nwörld", ""]]
+    store = cls(tmp_path / "s")
+    for gid, group in enumerate(texts):
+        store.append_group(lazy_stack([TensorDict({"group_id": torch.tensor(gid), "query": NonTensorData(t)},
+                                                  batch_size=[]) for t in group], 0))
+    store.close()
+    got = query(tmp_path / "s", "select group_id, query from trajectories order by seq, member").to_pylist()
+    assert got == [{"group_id": g, "query": t} for g, group in enumerate(texts) for t in group]

@@ -22,7 +22,7 @@ views:
                 seq, member (position in its group), group_id, and every one-value field of the store:
                 for `rbpipe run` stores advantage, collector_id, next_done, next_reward, policy_version;
                 and per token field its length: tokens_prompt_len, tokens_response_len,
-                log_probs_rollout_len
+                log_probs_rollout_len; string fields (torchrl's query, text) as their text
   join them on seq: select g.group_id, t.member, t.next_reward from groups g join trajectories t using (seq)
 """
 

@@ -24,7 +24,7 @@ import multiprocess
 from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError, StoreError
-from rbpipe.progress import STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
+from rbpipe.progress import LEARNER_READY, STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
 from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time
 from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
@@ -434,6 +434,9 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
         return "interrupted"
     finally:  # what follows (stopping workers, the catalogue, the plot) takes seconds: say so
         bar.n = counters.get(LEARNER_STEP)
+        if bar.n > start_step:  # steps that ran between two refreshes (a short run) are shown as training first
+            bar.set_description(phase(LEARNER_READY, bar.n, start_step), refresh=False)
+            bar.refresh()
         bar.set_description(WRITING_SUMMARY, refresh=False)
         bar.refresh()
         bar.close()

@@ -101,10 +101,10 @@ def _writer_main(w: int, buffer, share_path: str, payload: str, progress, inflig
     for i in range(start, len(share)):
         uid, gid, reward = share[i]
         td = make_payload_trajectory(uid, gid, reward, payload, w)
-        up[w] = 1
         inflight[w] = i
         buffer.extend(td)
         progress[w] = i + 1
+        up[w] = 1  # after the first hand-over: it opens the manager connection and staging, seconds under load
 
 
 def _open_storage(store: Path):
@@ -146,7 +146,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
                                 staging_dir=store / "staging", **kwargs)
     progress = ctx.Array("q", writers, lock=False)
     inflight = ctx.Array("q", [-1] * writers, lock=False)
-    up = ctx.Array("b", writers, lock=False)  # a writer sets its flag just before its first hand-over
+    up = ctx.Array("b", writers, lock=False)  # a writer sets its flag once its first hand-over returned
     procs: list = [None] * writers
     kills = skipped = 0
     hung = False

@@ -50,26 +50,30 @@ def same_process_alive(pid: int, started: int | None) -> bool:
     return started is None or now is None or now == started
 
 
-def die_with_parent(parent_pid: int | None, *, poll_s: float = 0.5) -> None:
+def die_with_parent(parent_pid: int | None, *, poll_s: float = 0.5, deathsig: bool = True,
+                    on_exit: Callable[[], None] | None = None) -> None:
     """Make this worker die when ``parent_pid`` (its launcher) dies, however the launcher ends (SIGKILL
     included), so that no orphan keeps writing a store whose lock names a dead process.
 
-    Linux: ``PR_SET_PDEATHSIG`` (SIGKILL, delivered by the kernel). Everywhere, and for the race where the
-    parent died before the call: a daemon thread that polls the parent pid and kills this process.
+    Linux: ``PR_SET_PDEATHSIG`` (SIGKILL, delivered by the kernel; ``deathsig=False`` skips it for a process
+    whose parent may start it from a thread that ends first, as the signal follows the starting *thread*).
+    Everywhere, and for the race where the parent died before the call: a daemon thread that polls the parent
+    pid, runs ``on_exit`` (clean-up that must not be skipped) and kills this process.
     """
     if parent_pid is None:
         return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the watchdog below is enough
-    if os.getppid() != parent_pid:  # the parent is already gone (we were re-parented)
-        os.kill(os.getpid(), signal.SIGKILL)
+    if deathsig:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # not Linux: the watchdog below is enough
 
-    def watch() -> None:
+    def watch() -> None:  # also covers a parent already gone (we were re-parented before the first check)
         while os.getppid() == parent_pid:
             time.sleep(poll_s)
+        if on_exit is not None:
+            on_exit()
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="rbpipe-parent-watchdog", daemon=True).start()

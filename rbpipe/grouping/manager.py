@@ -22,6 +22,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
+from rbpipe.procs import die_with_parent
 
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
@@ -193,15 +194,6 @@ def _clean_up() -> None:
         shutil.rmtree(tempdir, ignore_errors=True)
 
 
-def _watch_owner(owner: int) -> None:
-    """Exit (cleaning up) once the process that started the manager is gone, however it went (SIGKILL too):
-    polling the parent pid, since ``PR_SET_PDEATHSIG`` fires when the starting *thread* exits."""
-    while os.getppid() == owner:
-        time.sleep(OWNER_POLL_S)
-    _clean_up()
-    os._exit(0)
-
-
 def _init_manager_process(owner: int | None = None) -> None:
     import signal
 
@@ -212,7 +204,8 @@ def _init_manager_process(owner: int | None = None) -> None:
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
     mp_util.Finalize(None, _clean_up, exitpriority=-1)  # a normal shutdown removes temporary staging too
     if owner is not None:
-        threading.Thread(target=_watch_owner, args=(owner,), name="rbpipe-owner-watch", daemon=True).start()
+        # polling only (no PR_SET_PDEATHSIG): a library caller may start the manager from a thread that ends first
+        die_with_parent(owner, poll_s=OWNER_POLL_S, deathsig=False, on_exit=_clean_up)
 
 
 def start_manager(*, address: tuple[str, int] | str | None = None, authkey: bytes | None = None) -> GroupingManager:

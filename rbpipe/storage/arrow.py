@@ -227,6 +227,7 @@ class ArrowStorage(GroupStorage):
             return
         if self.max_size != UNBOUNDED or self.max_bytes is not None or self._evicted_upto >= 0:
             self._seal()
+            self._swept = False  # its groups may all be evicted already: the next eviction deletes the file
 
     # -- reading ------------------------------------------------------------------------------------------
     def _block_id(self, loc: dict, n: int) -> int:
@@ -393,6 +394,7 @@ class ArrowStorage(GroupStorage):
                 (self._seg_dir / (seg + SEALED)).unlink(missing_ok=True)
                 self._segments.pop(seg, None)
             self._views, self._wholes = {}, {}
+            self._sweep_dead_segments()  # files that evictions emptied while this held the lock
             return len(moves)
         finally:
             os.close(lock_fd)
@@ -444,17 +446,21 @@ class ArrowStorage(GroupStorage):
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return
-            # list, and tell dead writers' files, *before* reading the log: a file sealed before the listing,
-            # or a writer dead before the check, has all its commits in the log by the refresh
-            done = [(fname, name) for fname, name in map(self._finished, os.listdir(self._seg_dir)) if name]
-            self._refresh()
-            self._swept = True
-            for fname, name in done:
-                if name not in self._seg_live and name != self._wname:
-                    (self._seg_dir / fname).unlink(missing_ok=True)
+                return  # the compaction holding it sweeps before it lets go
+            self._sweep_dead_segments()
         finally:
             os.close(lock_fd)
+
+    def _sweep_dead_segments(self) -> None:
+        """Delete the segment files no live group names and nobody writes any more (caller holds
+        ``.compact.lock``). Lists, and tells dead writers' files, *before* reading the log: a file sealed before
+        the listing, or a writer dead before the check, has all its commits in the log by the refresh."""
+        done = [(fname, name) for fname, name in map(self._finished, os.listdir(self._seg_dir)) if name]
+        self._refresh()
+        self._swept = True
+        for fname, name in done:
+            if name not in self._seg_live and name != self._wname:
+                (self._seg_dir / fname).unlink(missing_ok=True)
 
     @staticmethod
     def _finished(fname: str) -> tuple[str, str | None]:

@@ -157,6 +157,24 @@ GroupingManager.register("get_registry", callable=get_registry, proxytype=Regist
                          exposed=GroupRegistry.exposed)
 
 
+def _get_coordinator(name: str, settings: dict | None = None):
+    from rbpipe.coordinator import get_coordinator  # manager-side: only a service's manager builds one
+
+    return get_coordinator(name, settings)
+
+
+def _coordinator_exposed() -> tuple[str, ...]:
+    from rbpipe.coordinator import Coordinator
+
+    return Coordinator.exposed
+
+
+CoordinatorProxy = MakeProxyType("CoordinatorProxy", _coordinator_exposed())
+CoordinatorProxy.__module__ = __name__
+GroupingManager.register("get_coordinator", callable=_get_coordinator, proxytype=CoordinatorProxy,
+                         exposed=_coordinator_exposed())
+
+
 # -- a forked child never uses its parent's connection -----------------------------------------------------------
 # A proxy keeps one connection per manager address and thread; ``multiprocess`` forgets them in children it
 # forks itself, but a child of ``os.fork`` (stdlib ``multiprocessing`` "fork", torch, a plain fork) would share
@@ -269,3 +287,17 @@ def open_registry(manager: GroupingManager, name: str, options: dict | None = No
     if problem is not None:
         raise ConfigError(problem)
     return proxy
+
+
+def open_coordinator(manager: GroupingManager, name: str, settings: dict | None = None):
+    """Proxy to the service's :class:`~rbpipe.coordinator.Coordinator` of registry ``name`` (created with
+    ``settings``, after the registry, by the service; joined by workers)."""
+    if _CONNECTION_PID != os.getpid():
+        _forget_connections()
+    try:
+        return manager.get_coordinator(name, settings)
+    except _DIED as err:
+        raise ManagerDiedError(f"cannot reach the grouping manager: {err}. Is the service still running?") from err
+    except RemoteError as err:
+        raise ConfigError(f"the manager at {manager.address} runs no rbpipe service ({name!r}): attach to the "
+                          "address `rbpipe serve` wrote in RUN_DIR/endpoint.json") from err

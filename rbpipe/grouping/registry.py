@@ -12,14 +12,19 @@ varying length arrive flattened to ``[tokens, 1]`` with their step count (``comp
 steps, as torchrl does); a custom selector gets ``"return"`` and the ``("trajectories", field)`` entries it
 declared, which each writer ships with the reward and which are kept beside the skeletons by handle index.
 
-A completed group becomes a *claim* owned by the appending writer. Its decision counters (written,
-selected, unselected, ...) stay deferred, and its members count as queued, until the owner confirms that
-the storage write succeeded. A claim whose owner died is handed to the next caller (``append``/``recover``)
-to finish; the claim id doubles as the storage commit id so a finished-but-unconfirmed write is not
-duplicated by storages that support idempotent commits.
+A completed group becomes a *claim* owned by the appending writer's *lease* (:mod:`rbpipe.grouping.leases`:
+a token from :meth:`GroupRegistry.lease` that the writer renews with a heartbeat, and releases when it leaves;
+``append`` and ``recover`` renew it too). Its decision counters (written, selected, unselected, ...) stay
+deferred, and its members count as queued, until the owner confirms that the storage write succeeded. A claim
+whose owner's lease was released or expired (a writer that left, was killed, or froze for longer than the
+lease's time to live) is handed to the next caller (``append``/``recover``) to finish. Ownership never looks
+at a PID: a writer in another PID namespace, container or host is owned by its lease like any other. An
+owner that is not a lease token (an int, as older callers passed PIDs) counts as dead. The claim id doubles as
+the storage commit id so a finished-but-unconfirmed write (e.g. by a writer whose lease expired while it
+wrote) is not duplicated by storages that support idempotent commits.
 
 A claim that cannot be written is *quarantined* instead of being handed on until every writer has died of it:
-when a writer reports that its write failed, or when its writers died ``MAX_WRITER_DEATHS`` times. It is then
+when a writer reports that its write failed, or when its writers' leases died ``MAX_WRITER_DEATHS`` times. It is then
 counted as a dropped group (reason ``quarantined``) and recorded (:meth:`GroupRegistry.quarantined`). A group
 whose advantages come out non-finite from finite rewards (a return that overflows, the std of one value) is
 dropped too (reason ``nonfinite_advantage``): torchrl would write NaNs. Every trajectory handed over stays
@@ -40,7 +45,7 @@ import torch
 from tensordict import TensorDict, lazy_stack
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
-from rbpipe.procs import pid_alive as _pid_alive
+from rbpipe.grouping.leases import LEASES, LeaseTable
 from rbpipe.schema import numpy_view
 
 _G, _R, _D, _A, _H = "group", "reward", "done", "advantage", "handle"
@@ -55,7 +60,7 @@ DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_tr
 QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
 #: Why groups were dropped besides torchrl's own dynamic sampling (counted in ``dropped_groups`` too).
 DROP_REASONS = ("quarantined", "nonfinite_advantage", "selector_error", "decision_error")
-#: A claim whose writers died this many times while holding it is quarantined, not handed on again.
+#: A claim whose writers' leases died this many times while holding it is quarantined, not handed on again.
 MAX_WRITER_DEATHS = 3
 #: (Manager process.) Temporary staging directories removed when the manager exits (its owner died, shutdown).
 TEMPORARY_STAGING: set[str] = set()
@@ -179,11 +184,12 @@ class GroupRegistry:
 
     exposed = ("append", "confirm", "recover", "get_stats", "reset_stats", "clear_queues", "snapshot",
                "restore", "ping", "options", "quarantine", "quarantined", "drop_reasons", "watch_temporary",
-               "join_info")
+               "join_info", "lease", "renew", "release", "lease_ttl")
 
     def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
-                 staging: dict | None = None) -> None:
+                 staging: dict | None = None, leases: LeaseTable | None = None) -> None:
         self._options = dict(options)
+        self._leases = LEASES if leases is None else leases  # the manager process's one table
         self.staging = dict(staging) if staging else None
         self._quarantine: list[dict] = []
         self._reasons = {name: 0 for name in DROP_REASONS}
@@ -202,6 +208,24 @@ class GroupRegistry:
 
     def options(self) -> dict:
         return dict(self._options)
+
+    # -- leases: who owns a claim --------------------------------------------------------------------------------
+    def lease(self) -> str:
+        """A new lease token for a writer: the owner of the claims it completes while the lease lives."""
+        return self._leases.grant()
+
+    def renew(self, token) -> bool:
+        """Keep ``token`` alive (a heartbeat); False when it expired or was released (take a new one)."""
+        return self._leases.renew(token) if isinstance(token, str) else False
+
+    def release(self, token) -> None:
+        """The writer leaves: the claims it holds are handed to the next caller at once."""
+        if isinstance(token, str):
+            self._leases.release(token)
+
+    def lease_ttl(self) -> float:
+        """Seconds a lease lives without a renewal (renew at least every third of it)."""
+        return self._leases.ttl_s
 
     def join_info(self) -> dict:
         return {"options": dict(self._options), "staging": self.staging}
@@ -239,7 +263,7 @@ class GroupRegistry:
             return start
 
     # -- the one call per trajectory ---------------------------------------------------------------------------
-    def append(self, group, handle: str, reward: tuple, owner: int, reserve_rows: bool = False) -> dict:
+    def append(self, group, handle: str, reward: tuple, owner, reserve_rows: bool = False) -> dict:
         """Queue one trajectory; return ``{"status": "queued"|"write"|"dropped", ...}`` plus orphan claims.
 
         ``reward`` is ``(bytes, dtype, shape)`` of the trajectory's reward tensor (``shape[0]`` = steps).
@@ -284,6 +308,7 @@ class GroupRegistry:
                 else:
                     deltas = {name: mc._stats[name] - before[name] for name in DEFERRED}
                     result = self._new_claim(group, members, out, deltas, owner, reserve_rows)
+        self.renew(owner)  # every call is a heartbeat too
         result["recovered"] = self._orphans(owner)
         return result
 
@@ -314,7 +339,7 @@ class GroupRegistry:
                            "one value has no std (grpo_size=1 with one-step trajectories). Scale the rewards "
                            "down, or use a larger grpo_size"}
 
-    def _new_claim(self, group, members, out: TensorDict, deltas: dict, owner: int, reserve_rows: bool) -> dict:
+    def _new_claim(self, group, members, out: TensorDict, deltas: dict, owner, reserve_rows: bool) -> dict:
         handle_of = {hidx: handle for hidx, handle, _ in members}
         hcol, counts = torch.unique_consecutive(out.get(_H), return_counts=True)
         advs = out.get(_A).split(counts.tolist(), dim=0)
@@ -335,7 +360,7 @@ class GroupRegistry:
     def _public(claim: dict) -> dict:
         return {k: claim[k] for k in ("claim_id", "group", "selected", "advantages", "unselected", "rows")}
 
-    def _orphans(self, owner: int, force: bool = False) -> list[dict]:
+    def _orphans(self, owner, force: bool = False) -> list[dict]:
         now = time.monotonic()
         if not self._claims or (not force and now - self._last_orphan_check < self._orphan_check_s):
             return []
@@ -343,11 +368,11 @@ class GroupRegistry:
         taken = []
         with self._claims_lock:
             for claim in list(self._claims.values()):
-                if claim["owner"] != owner and not _pid_alive(claim["owner"]):
+                if claim["owner"] != owner and not self._leases.alive(claim["owner"]):
                     claim["deaths"] = claim.get("deaths", 0) + (claim["owner"] != 0)  # 0: restored, no owner yet
                     if claim["deaths"] >= MAX_WRITER_DEATHS:
-                        reason = (f"its writers died {claim['deaths']} times while writing it (last: process "
-                                  f"{claim['owner']})")
+                        reason = (f"its writers died {claim['deaths']} times while writing it (their leases "
+                                  f"expired or were released; last owner: {claim['owner']})")
                         record = self._quarantine_locked(claim["claim_id"], reason)
                         taken.append(dict(self._public(claim), quarantine=record))
                         continue
@@ -360,8 +385,10 @@ class GroupRegistry:
         with self._claims_lock:
             return self._claims.pop(claim_id, None) is not None
 
-    def recover(self, owner: int, force: bool = False) -> list[dict]:
-        """Hand the caller every claim whose owner is dead (``force``: every claim not its own)."""
+    def recover(self, owner, force: bool = False) -> list[dict]:
+        """Hand the caller (``owner``: its lease token, renewed by the call) every claim whose owner's lease is
+        dead (``force``: every claim not its own)."""
+        self.renew(owner)
         if force:
             with self._claims_lock:
                 now = time.monotonic()

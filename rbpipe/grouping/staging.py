@@ -11,6 +11,15 @@ subdirectory (whoever deletes it: the process completing a group deletes the mem
 ``put`` rewrites one of those and renames it to the new handle. A process also keeps the payloads it staged
 last in memory (``Staging.RECENT``) so completing a group does not read its own members back.
 
+Who owns a subdirectory is told by a lock, never by its PID (the ``<pid>`` in its name is informative only:
+a process in another PID namespace, container or host may carry any number there): its owner creates the lock
+file ``.<pid>-<rand>.owner`` beside it (before the subdirectory itself) and holds an ``fcntl.flock``
+``LOCK_EX`` on it for as long as it lives; the kernel drops the lock when the process dies, however it dies.
+A sweep treats a subdirectory as gone only when it can take that lock without waiting (and lets go right
+after): it then unlinks the ``.free-*`` files (pending payloads stay for a resumed run) and, once nothing else
+is left, the subdirectory and its lock file. A subdirectory without a lock file (written by an older rbpipe)
+falls back to the liveness of the PID in its name.
+
 Staged files are data, never code: the payload format below is read by plain slicing (no pickle: a file planted
 in the staging directory can at worst be refused as torn), directories are ``0700`` and files ``0600``, and a
 handle is only ever accepted in the exact form ``<pid>-<8 hex>/<n>.td`` (no ``..``, no absolute path).
@@ -45,6 +54,7 @@ its leaves whose steps all have one shape are written as version 1 leaves (no ki
 from __future__ import annotations
 
 import atexit
+import fcntl
 import itertools
 import json
 import math
@@ -361,6 +371,8 @@ def temporary_staging_parent() -> str:
 #: staging subdirectories this process created (``path -> pid``), and the staging roots it used: released at
 #: exit even when the ``Staging`` object is gone by then
 _OWN_DIRS: dict[str, int] = {}
+#: the lock files this process holds for its subdirectories (``subdirectory path -> fd``)
+_LOCKS: dict[str, int] = {}
 _ROOTS: set[str] = set()
 #: temporary staging directories this process made: removed when it exits (``path -> creator pid``)
 _TEMPORARY: dict[str, int] = {}
@@ -372,7 +384,7 @@ def _release_all() -> None:
     pid = os.getpid()
     for path, owner in list(_OWN_DIRS.items()):
         if owner == pid:
-            _remove_free_files(path)
+            _release_own(path)
     for root in list(_ROOTS):
         try:
             _sweep(root)
@@ -405,6 +417,18 @@ def _register_exit_hooks() -> None:
 
 atexit.register(_release_all)
 _register_exit_hooks()
+def _forget_locks() -> None:
+    """In a forked child: close its copies of the parent's lock files (the lock is held as long as any copy
+    is open: a child that outlives its parent must not keep the parent's subdirectories looking alive)."""
+    for fd in _LOCKS.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
 os.register_at_fork(after_in_child=_register_exit_hooks)  # a forked child's copies are ignored (other pid)
 
 
@@ -479,9 +503,8 @@ class Staging:
         """This process's subdirectory name (a forked child gets its own, and not the parent's free files)."""
         pid = os.getpid()
         if self._pid != pid:
-            prefix = f"{pid}-{uuid.uuid4().hex[:8]}"
             try:
-                os.mkdir(os.path.join(self._dir, prefix), 0o700)
+                prefix = _new_owned_dir(self._dir, pid)
             except OSError as err:
                 raise StagingError(f"cannot create a staging subdirectory in {self.path}: {err}. Free disk "
                                    "space or check permissions") from err
@@ -610,8 +633,8 @@ class Staging:
         and those that were renamed into the subdirectories of processes that are gone (at exit; a killed
         process leaves its own to the next :meth:`sweep`)."""
         self._free = []
-        if self._pid == os.getpid():
-            _remove_free_files(os.path.join(self._dir, self._prefix))
+        if self._pid == os.getpid() and _release_own(os.path.join(self._dir, self._prefix)):
+            self._pid = None  # its subdirectory is gone: a later put makes a new one
         try:
             self.sweep()
         except OSError:  # the directory is gone already
@@ -646,17 +669,129 @@ class Staging:
         return target
 
 
+OWNER_SUFFIX = ".owner"
+_OWNER_FILE = re.compile(r"\.([0-9]+-[0-9a-f]{8})\.owner")
+_NO_LOCK_FILE = -1
+
+
+def _lock_path(directory: str) -> str:
+    """The lock file of staging subdirectory ``directory`` (beside it: ``.<name>.owner``)."""
+    head, name = os.path.split(directory)
+    return os.path.join(head, f".{name}{OWNER_SUFFIX}")
+
+
+def _new_owned_dir(root: str, pid: int) -> str:
+    """Create a subdirectory of ``root`` whose lock this process holds; returns its name. The lock file comes
+    first, so a subdirectory never exists unlocked while its owner lives."""
+    for _ in range(16):
+        prefix = f"{pid}-{uuid.uuid4().hex[:8]}"
+        lock = os.path.join(root, f".{prefix}{OWNER_SUFFIX}")
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fresh = os.fstat(fd).st_nlink > 0  # not unlinked by a sweep between its creation and the lock
+        except BlockingIOError:  # a sweep took it in that instant: try another name
+            fresh = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if not fresh:
+            os.close(fd)
+            continue
+        try:
+            os.mkdir(os.path.join(root, prefix), 0o700)
+        except BaseException:
+            os.close(fd)
+            _unlink(lock)
+            raise
+        _LOCKS[os.path.join(root, prefix)] = fd
+        return prefix
+    raise OSError(f"could not create an owned staging subdirectory in {root}")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _try_lock(path: str) -> int | None:
+    """An fd holding ``path``'s lock when nobody else holds it (its owner is gone), None while its owner lives
+    (or another sweep is at it), ``_NO_LOCK_FILE`` when there is no lock file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return _NO_LOCK_FILE
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_nlink > 0:
+            return fd
+    except BlockingIOError:
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)  # held by its owner, or unlinked by another sweep
+    return None
+
+
+def _release_own(path: str) -> bool:
+    """This process lets go of its subdirectory ``path``: its released files are unlinked, and the
+    subdirectory with its lock file once nothing else is left. True when the subdirectory is gone."""
+    _remove_free_files(path)
+    if os.path.isdir(path):
+        return False
+    _unlink(_lock_path(path))
+    fd = _LOCKS.pop(path, None)
+    _OWN_DIRS.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+    return True
+
+
 def _sweep(root: str) -> int:
-    """Unlink released files in ``root``'s subdirectories of processes that are gone; returns how many."""
+    """Unlink released files in ``root``'s subdirectories whose owners are gone (their lock is free), and
+    those subdirectories once nothing else is left in them; returns how many files."""
     from rbpipe.procs import pid_alive
 
     n = 0
     with os.scandir(root) as it:
-        entries = [e for e in it if e.is_dir() and _OWNER_DIR.fullmatch(e.name)]
-    for entry in entries:
-        pid = int(entry.name.split("-", 1)[0])
-        if pid != os.getpid() and not pid_alive(pid):
-            n += _remove_free_files(entry.path)
+        entries = list(it)
+    dirs = {e.name for e in entries if _OWNER_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)}
+    for name in sorted(dirs):
+        path = os.path.join(root, name)
+        if path in _LOCKS:  # this process's own
+            continue
+        lock = _lock_path(path)
+        fd = _try_lock(lock)
+        if fd is None:  # its owner lives, whatever its PID says here
+            continue
+        if fd == _NO_LOCK_FILE:  # made by an rbpipe without lock files: its PID is all there is
+            if not pid_alive(int(name.split("-", 1)[0])):
+                n += _remove_free_files(path)
+            continue
+        try:
+            n += _remove_free_files(path)
+            if not os.path.isdir(path):
+                _unlink(lock)
+        finally:
+            os.close(fd)
+    for entry in entries:  # lock files left without their subdirectory (a sweep or an owner cut short)
+        match = _OWNER_FILE.fullmatch(entry.name)
+        if match is None or match.group(1) in dirs:
+            continue
+        fd = _try_lock(entry.path)
+        if fd is None or fd == _NO_LOCK_FILE:
+            continue
+        try:
+            if not os.path.isdir(os.path.join(root, match.group(1))):
+                _unlink(entry.path)
+        finally:
+            os.close(fd)
     return n
 
 

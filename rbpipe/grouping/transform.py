@@ -4,13 +4,23 @@ Per trajectory: validate, stage the payload once (on disk), make **one** manager
 the handle and the reward tensor. The answer is "queued", "dropped" (delete the staged files) or a *claim*
 for a completed group (selected handles + torchrl's advantages); the completing writer loads the payloads,
 sets the advantages, writes the group to storage outside any lock and confirms.
+
+A claim is owned by the writing process's *lease* (:mod:`rbpipe.grouping.leases`), not by its PID: each
+process takes one from the manager on first use (a forked child takes its own), renews it from a daemon
+heartbeat thread every third of its time to live, and releases it on :meth:`SharedMCAdvantage.close` and at
+exit, so the claims of a writer that leaves are handed on at once, and those of one that is killed (or
+frozen) once its lease expires, whatever PID namespace, container or host it runs in.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,6 +31,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
 from rbpipe.errors import BadTrajectoryError, ConfigError
+from rbpipe.grouping.leases import ttl_from_env
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
 from rbpipe.grouping.staging import (HANDLE, PLAIN, Staging, decode_leaves, encode_td, remove_at_exit,
@@ -43,6 +54,105 @@ def selector_fields(selector: MCAdvantageSelector) -> tuple[tuple[str, ...], ...
                               "(the field then travels with each trajectory's reward); use one of those")
         fields.append(parts[1:])
     return tuple(fields)
+
+
+class _WriterLease:
+    """This process's lease on a registry: taken on first use (again after a fork: a child never shares its
+    parent's), kept alive by a daemon heartbeat thread, released by :meth:`release` or at exit."""
+
+    def __init__(self, registry) -> None:
+        self.registry = registry
+        self._reinit()
+        _LEASES_HELD.add(self)
+
+    def _reinit(self) -> None:
+        self.token: str | None = None
+        self.pid: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def token_now(self) -> str:
+        """The token to own claims with (a new lease on first use, after a fork, or once the last expired)."""
+        pid, token = os.getpid(), self.token
+        if self.pid == pid and token is not None:
+            return token
+        with self._lock:
+            if self.pid != pid or self.token is None:
+                token = call(self.registry, "lease")
+                period = float(call(self.registry, "lease_ttl")) / 3
+                self._stop = stop = threading.Event()
+                self.token, self.pid = token, pid
+                threading.Thread(target=self._beat, args=(token, pid, period, stop), daemon=True,
+                                 name="rbpipe-lease-heartbeat").start()
+            return self.token
+
+    def _beat(self, token: str, pid: int, period: float, stop: threading.Event) -> None:
+        """Renew ``token`` every ``period`` s until released; leave quietly when the manager is gone, the
+        process exits, or the lease expired (the next call takes a new one: what it owned may be another's)."""
+        while not stop.wait(period):
+            if os.getpid() != pid or sys.is_finalizing() or self.token != token:
+                return
+            try:
+                alive = call(self.registry, "renew", token)
+            except BaseException:  # noqa: BLE001 - a dead manager, or an interpreter shutting down
+                return
+            if not alive:
+                with self._lock:
+                    if self.token == token:
+                        self.token = None
+                return
+
+    def release(self) -> None:
+        """Hand what this process owns on at once (its next call takes a new lease)."""
+        with self._lock:
+            token, self.token = self.token, None
+            self._stop.set()
+        if token is not None and self.pid == os.getpid():
+            try:
+                call(self.registry, "release", token)
+            except BaseException:  # noqa: BLE001 - the manager is gone: the lease went with it
+                pass
+
+
+_LEASES_HELD: weakref.WeakSet = weakref.WeakSet()
+
+
+def _release_leases() -> None:
+    """At exit (atexit, or a ``multiprocess(ing)`` child's exit finalizers): release this process's leases, so
+    its unwritten claims are handed on at once instead of after their time to live."""
+    pid = os.getpid()
+    for lease in list(_LEASES_HELD):
+        if lease.pid == pid:
+            lease.release()
+
+
+def _forget_leases() -> None:
+    """In a forked child: the parent's leases, locks and heartbeats are not the child's."""
+    for lease in list(_LEASES_HELD):
+        lease._reinit()
+
+
+def _register_lease_hooks(*_) -> None:
+    import multiprocessing.util as std_util
+
+    import multiprocess.util as mp_util
+
+    for util in (std_util, mp_util):  # these children leave by os._exit: atexit does not run there
+        util.Finalize(None, _release_leases, exitpriority=20)  # before proxies drop their connections (10)
+
+
+atexit.register(_release_leases)
+_register_lease_hooks()
+os.register_at_fork(after_in_child=lambda: (_forget_leases(), _register_lease_hooks()))
+
+
+def _register_after_multiprocess_fork() -> None:
+    import multiprocess.util as mp_util
+
+    mp_util.register_after_fork(_register_lease_hooks, _register_lease_hooks)  # it clears finalizers after fork
+
+
+_register_after_multiprocess_fork()
 
 
 @dataclass
@@ -126,6 +236,10 @@ class SharedMCAdvantage(MCAdvantage):
                              candidate_selector=candidate_selector)
         except ValueError as err:
             raise ConfigError(f"invalid grouping options: {err}") from err
+        try:
+            ttl_from_env()
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         options = dict(grpo_size=grpo_size, trajectory_return=trajectory_return,
                        keep_return_bounds=self.keep_return_bounds, candidate_group_size=self.candidate_group_size,
                        candidate_selection_min_size=self.candidate_selection_min_size,
@@ -164,7 +278,27 @@ class SharedMCAdvantage(MCAdvantage):
         state["_manager"] = None
         state["_owns_manager"] = False
         state["_owns_staging"] = False
+        state["_lease"] = None  # each process takes its own
         return state
+
+    # -- ownership: this process's lease ---------------------------------------------------------------------------
+    def _owner(self) -> str:
+        """This process's lease token (taken on first use, renewed by a heartbeat thread)."""
+        lease = self.__dict__.get("_lease")
+        if lease is None:
+            with _LEASE_LOCK:
+                lease = self.__dict__.get("_lease")
+                if lease is None:
+                    lease = self.__dict__["_lease"] = _WriterLease(self._registry)
+        return lease.token_now()
+
+    def close(self) -> None:
+        """Release this process's lease: the claims it took and did not confirm are handed to the next writer at
+        once (not after the lease's time to live). The transform stays usable (a later call takes a new lease).
+        Done at exit too."""
+        lease = self.__dict__.get("_lease")
+        if lease is not None:
+            lease.release()
 
     @property
     def is_shared(self) -> bool:
@@ -174,7 +308,9 @@ class SharedMCAdvantage(MCAdvantage):
         return self  # already shared: state lives in the manager
 
     def shutdown(self) -> None:
-        """Stop the manager and remove the temporary staging directory, if this transform made them."""
+        """Release this process's lease; stop the manager and remove the temporary staging directory, if this
+        transform made them."""
+        self.close()
         if self._owns_manager and self._manager is not None:
             self._manager.shutdown()
             self._manager = None
@@ -298,7 +434,7 @@ class SharedMCAdvantage(MCAdvantage):
                    for group, traj in self.prepare(tensordict, check)]  # rejects the call before anything is queued
         for group, data, reward in encoded:
             handle = self.staging.put(data)
-            decision = call(self._registry, "append", group, handle, reward, os.getpid(), self.reserve_rows)
+            decision = call(self._registry, "append", group, handle, reward, self._owner(), self.reserve_rows)
             if decision["recovered"]:
                 yield from self._taken_over(decision["recovered"])
             status = decision["status"]
@@ -316,7 +452,7 @@ class SharedMCAdvantage(MCAdvantage):
 
     def recover(self, *, force: bool = False) -> list[Claim]:
         """Claims of dead writers (``force``: of any other writer), loaded and ready to write + confirm."""
-        return list(self._taken_over(call(self._registry, "recover", os.getpid(), force)))
+        return list(self._taken_over(call(self._registry, "recover", self._owner(), force)))
 
     def _taken_over(self, decisions: list[dict]) -> Iterator[Claim]:
         """Claims taken over from writers that died: those the registry quarantined, and those whose payloads
@@ -531,7 +667,7 @@ class SharedMCAdvantage(MCAdvantage):
                 os.replace(path, path.with_name(path.name + ".torn"))
                 torn += 1
                 continue
-            decision = call(self._registry, "append", group, handle, reward, os.getpid(), self.reserve_rows)
+            decision = call(self._registry, "append", group, handle, reward, self._owner(), self.reserve_rows)
             requeued += 1
             claims.extend(self._taken_over(decision["recovered"]))
             if decision["status"] == "dropped":
@@ -540,5 +676,7 @@ class SharedMCAdvantage(MCAdvantage):
                 claims.append(self.load(decision))
         return claims, requeued, torn
 
+
+_LEASE_LOCK = threading.Lock()
 
 __all__ = ["QUEUE_STATS", "STAT_NAMES", "Claim", "SharedMCAdvantage"]

@@ -5,3 +5,22 @@ on-disk store; a learner samples whole groups from that store and trains with to
 """
 
 __version__ = "0.1.0"
+
+#: the public API, imported on first use (``rbpipe inspect``/``query`` must not pay for torch)
+_EXPORTS = {
+    "connect": "rbpipe.connect", "connect_learner": "rbpipe.connect", "CollectorClient": "rbpipe.connect",
+    "LearnerClient": "rbpipe.connect", "RunConfig": "rbpipe.config", "SharedMCAdvantage": "rbpipe.grouping",
+    "make_replay_buffer": "rbpipe.buffer", "open_storage": "rbpipe.storage", "group_buffer": "rbpipe.storage",
+    "ArrowStorage": "rbpipe.storage", "ZarrStorage": "rbpipe.storage", "FreshGroupSampler": "rbpipe.sampling",
+    "RateLimiter": "rbpipe.rate_limit",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    import importlib
+
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rbpipe' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

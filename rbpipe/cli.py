@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -27,6 +28,9 @@ examples:
   rbpipe run --resume runs/20261202-120000-ab12cd
   rbpipe run --task examples/custom_task.py:NextDigitTask --steps 100
   rbpipe run --model path/to/hf_model_dir --task my_tasks.py:MyTask
+  rbpipe serve --run-dir runs/shared --steps 200   # then, from other shells:
+  rbpipe collector --connect runs/shared           #   (as many as you like, any time)
+  rbpipe learner --connect runs/shared
   rbpipe inspect runs/<run>/store --limit 5
   rbpipe inspect STORE --json --where "list_avg(returns) > 0.5"
   rbpipe query STORE "select policy_version, avg(next_reward) from trajectories group by 1 order by 1"
@@ -36,25 +40,41 @@ examples:
 
 
 #: what ``--resume`` may change: everything else comes from the saved run (a clear error otherwise)
-RESUME_OVERRIDES = {"steps", "resume", "no_progress", "json"}
+RESUME_OVERRIDES = {"steps", "resume", "no_progress", "json", "listen"}
 _UNSET = object()
 
 
-def _add_run(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "run", help="run the whole pipeline: collectors, shared grouping, store, learner",
-        description="Spawn collector processes and a learner around one shared MCAdvantage replay buffer "
-                    "persisted to disk, train until --steps, then print a summary and write a reward plot.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
+    if command == "run":
+        p = sub.add_parser(
+            "run", help="run the whole pipeline: collectors, shared grouping, store, learner",
+            description="Spawn collector processes and a learner around one shared MCAdvantage replay buffer "
+                        "persisted to disk, train until --steps, then print a summary and write a reward plot. "
+                        "The same as `rbpipe serve` plus collectors and a learner attached to it.",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    else:
+        p = sub.add_parser(
+            "serve", help="start the shared state only; collectors and a learner attach with --connect",
+            description="Start a run's shared state (grouping manager, store, weights, rate limit) without any "
+                        "worker and write RUN_DIR/endpoint.json plus its key (RUN_DIR/authkey, owner-only). Attach "
+                        "workers from any shell: `rbpipe collector --connect RUN_DIR`, `rbpipe learner --connect "
+                        "RUN_DIR`. Runs until SIGINT/SIGTERM or until the attached learner has done --steps, then "
+                        "writes summary.json as `rbpipe run` does.",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("processes and storage")
-    g.add_argument("--collectors", type=int, default=2, help="collector processes")
+    g.add_argument("--collectors", type=int, default=2,
+                   help="collector processes" if command == "run" else
+                   "collectors a prompt's samples are shared among (each work unit is one collector's share)")
+    if command == "serve":
+        g.add_argument("--listen", metavar="HOST:PORT",
+                       help="listen on TCP (loopback or a host address; port 0 picks a free port) so that workers "
+                            "on other hosts attach with --connect HOST:PORT and RBPIPE_AUTHKEY; default: a "
+                            "private Unix socket")
     g.add_argument("--store", type=Path, help="store directory (default: RUN_DIR/store)")
     g.add_argument("--run-dir", type=Path, help="run directory (default: a new folder under ./runs/)")
     g.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue a stopped or crashed run with its saved configuration (only --steps may change)")
     g.add_argument("--backend", choices=["arrow", "zarr"], default="arrow", help="storage backend")
-    g.add_argument("--grouping", choices=["rbpipe", "torchrl"], default="rbpipe",
-                   help="shared grouping transform: rbpipe's fast one or torchrl's stock shared MCAdvantage")
     g = p.add_argument_group("grouping (torchrl MCAdvantage options)")
     g.add_argument("--grpo-size", type=int, default=8, help="trajectories per group")
     g.add_argument("--trajectory-return", choices=["sum", "max", "mean", "none"], default="sum",
@@ -112,6 +132,24 @@ def _add_run(sub) -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on stdout (table and progress go to stderr)")
     return p
+
+
+def _add_worker(sub, kind: str) -> None:
+    what = ("generate the prompts the service hands out and hand the samples over" if kind == "collector"
+            else "train on the store's fresh groups and publish the weights (one learner per service)")
+    p = sub.add_parser(kind, help=f"attach a {kind} to a running `rbpipe serve`",
+                       description=f"Attach a {kind} to a running service: {what}. It stops when the service asks "
+                                   "(its learner is done, or it is stopped), on Ctrl-C, or when the service is gone.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--connect", required=True, metavar="RUN_DIR|HOST:PORT",
+                   help="the service's run directory (reads endpoint.json and the key there), or HOST:PORT of a "
+                        "service started with --listen (key from RBPIPE_AUTHKEY or --authkey-file)")
+    p.add_argument("--authkey-file", help="file holding the service's key (hex), e.g. a copy of RUN_DIR/authkey")
+    p.add_argument("--task", metavar="SPEC", help="must be the service's task (checked; default: the service's)")
+    p.add_argument("--model", metavar="PATH", help="must be the service's model (checked; default: the service's)")
+    if kind == "collector":
+        p.add_argument("--collector-id", type=int, help="id written with this collector's samples "
+                                                        "(default: the next free one)")
 
 
 def _add_inspect(sub) -> None:
@@ -185,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.run_parser = _add_run(sub)
+    parser.serve_parser = _add_run(sub, "serve")
+    _add_worker(sub, "collector")
+    _add_worker(sub, "learner")
     _add_inspect(sub)
     _add_query(sub)
     _add_stress(sub)
@@ -218,10 +259,13 @@ def _check_run_options(given: set[str], resume: bool) -> None:
 
 
 def _run(args, given: set[str]) -> int:
+    serving = args.command == "serve"
     if not args.no_progress:  # importing torch and spawning the workers takes seconds before the progress line
-        print("rbpipe run: starting processes", file=sys.stderr, flush=True)
+        print(f"rbpipe {args.command}: starting " + ("the service" if serving else "processes"), file=sys.stderr,
+              flush=True)
     from rbpipe.config import RunConfig
-    from workers.launcher import launch
+    from rbpipe.endpoint import parse_listen
+    from workers.launcher import launch, serve
 
     _check_run_options(given, args.resume is not None)
     loss = {"loss": args.loss, "loss_agg_mode": args.loss_agg_mode, "kl_type": args.kl_type,
@@ -231,7 +275,7 @@ def _run(args, given: set[str]) -> int:
     if args.rollout_is_veto:
         loss["rollout_is_veto"] = tuple(args.rollout_is_veto)
     cfg = RunConfig(
-        collectors=args.collectors, grouping=args.grouping, backend=args.backend, grpo_size=args.grpo_size,
+        collectors=args.collectors, backend=args.backend, grpo_size=args.grpo_size,
         trajectory_return=None if args.trajectory_return == "none" else args.trajectory_return,
         keep_return_bounds=tuple(args.keep_return_bounds) if args.keep_return_bounds else None,
         candidate_group_size=args.candidate_group_size, selector=args.selector,
@@ -246,14 +290,34 @@ def _run(args, given: set[str]) -> int:
     cfg.loss_config()  # validate before any process starts
     with _stdout_for_json(args.json) as out:
         log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+        start = (functools.partial(serve, listen=parse_listen(args.listen)) if serving else launch)
         if args.resume is not None:  # the saved configuration wins; only --steps may extend the run
-            summary = launch(None, resume=args.resume, steps=args.steps, progress=not args.no_progress, log=log)
+            summary = start(None, resume=args.resume, steps=args.steps, progress=not args.no_progress, log=log)
         else:
-            summary = launch(cfg, run_dir=args.run_dir, store=args.store, progress=not args.no_progress, log=log)
+            summary = start(cfg, run_dir=args.run_dir, store=args.store, progress=not args.no_progress, log=log)
         if out is not None:
             out.write(json.dumps(summary, default=str) + "\n")
             out.flush()
-    return 0 if summary["status"] == "done" else 1
+    return 0 if summary["status"] in ("done", "stopped") else 1
+
+
+def _worker(args) -> int:
+    """``rbpipe collector|learner --connect``: the same loop ``rbpipe run`` spawns, attached from here."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    kw = dict(authkey_file=args.authkey_file, task=args.task, model=args.model,
+              log=lambda *a: print(*a, flush=True))
+    if args.command == "collector":
+        from workers.collector import run_collector
+
+        run_collector(args.connect, args.collector_id, **kw)
+    else:
+        from workers.learner import run_learner
+
+        run_learner(args.connect, **kw)
+    print(f"rbpipe {args.command}: done (the service asked its workers to stop)", flush=True)
+    return 0
 
 
 @contextlib.contextmanager
@@ -356,11 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"run": _run, "inspect": _inspect, "query": _query, "stress": _stress, "export": _export}
+    handlers = {"inspect": _inspect, "query": _query, "stress": _stress, "export": _export,
+                "collector": _worker, "learner": _worker}
     try:
-        if args.command == "run":
+        if args.command in ("run", "serve"):
             argv = sys.argv[1:] if argv is None else argv
-            return _run(args, explicit_options(parser.run_parser, argv[argv.index("run") + 1:]))
+            sub_parser = parser.run_parser if args.command == "run" else parser.serve_parser
+            return _run(args, explicit_options(sub_parser, argv[argv.index(args.command) + 1:]))
         return handlers[args.command](args)
     except RbpipeError as err:
         print(f"rbpipe {args.command}: error: {err}", file=sys.stderr)

@@ -18,14 +18,15 @@ every change (``prompts.json``, written atomically), so a resumed service contin
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from rbpipe.fsutil import atomic_write_json
 from rbpipe.grouping.leases import LEASES
-from rbpipe.rate_limit import RateLimiter
+from rbpipe.grouping.manager import COORDINATOR_EXPOSED
+from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 
 PROMPTS = "prompts.json"
 #: learner fields a learner may report (all ints but ``phase``/``busy``): unknown names are refused
@@ -39,29 +40,49 @@ class Coordinator:
     Args:
         samples_per_prompt: samples generated per prompt (``grpo_size``, or the candidate group size).
         unit_size: samples per work unit (the last unit of a prompt may be smaller).
-        limiter: settings of the band (``RateLimiter`` keyword arguments, ``writers`` is 1: this object).
+        limiter: the band's settings (:meth:`RateLimiter.settings_for_run`); this object is its one writer.
         state_dir: where ``prompts.json`` and the band's file live (the run directory).
+        expect_collectors: no prompt opens before this many collectors joined (``rbpipe run`` starts N at
+            once: its first groups mix them too); 1 for a service whose collectors come when they like.
         registry: the registry whose dropped groups also move the band on.
+
+    Examples:
+        >>> import tempfile
+        >>> from rbpipe.grouping.leases import LEASES
+        >>> coord = Coordinator(4, 2, {"samples_per_insert": 1.0, "error_buffer": 2.0, "min_size_to_sample": 1},
+        ...                     tempfile.mkdtemp())
+        >>> a, b = LEASES.grant(), LEASES.grant()
+        >>> coord.join(a), coord.join(b)  # collector ids
+        (0, 1)
+        >>> coord.take(a), coord.take(b)  # two collectors share prompt 0
+        ({'prompt': 0, 'samples': 2}, {'prompt': 0, 'samples': 2})
+        >>> coord.close()
     """
 
-    exposed = ("take", "skip", "count", "release", "report_learner", "learner", "status", "endpoint",
-               "set_endpoint", "request_stop", "stop_requested")
+    exposed = COORDINATOR_EXPOSED
 
     def __init__(self, samples_per_prompt: int, unit_size: int, limiter: dict, state_dir: str,
-                 registry=None) -> None:
+                 expect_collectors: int = 1, registry=None) -> None:
         self.samples_per_prompt = int(samples_per_prompt)
         self.unit_size = max(1, min(int(unit_size), self.samples_per_prompt))
         self._state_path = Path(state_dir) / PROMPTS
         self._registry = registry
         self._lock = threading.Lock()
-        self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / "rate_limit.bin", create=True)
+        self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / RATE_LIMIT_FILE, create=True)
+        self._expect = max(1, int(expect_collectors))
         self.next_prompt = 0
         self._pool: dict[int, int] = {}  # open prompt -> samples nobody generates yet (insertion = age order)
         self._units: dict[tuple[int, str], int] = {}  # (prompt, lease) -> samples still to hand over
-        self._holders: set[str] = set()  # leases that took a unit and have not left
+        self._shares: dict[int, set[str]] = {}  # open prompt -> leases that took a unit of it
+        self._holders: set[str] = set()  # leases that joined and have not left
+        self._joined: set[str] = set()  # every lease that ever joined (the start-up gate)
+        self._ids: dict[str, int] = {}  # lease -> collector id
+        self._next_id = 0
         self._released: set[str] = set()
+        self._learner_lease: str | None = None
         self._counts = {"produced": 0, "rejected": 0, "units": 0, "reissued_samples": 0, "lost_leases": 0,
                         "insert_blocked_ns": 0}
+        self._totals = {"produced": 0, "rejected": 0, "dropped_groups": 0}  # earlier sessions of this run
         self._blocked_since: dict[str, int] = {}
         self._learner: dict[str, Any] = {name: 0 for name in LEARNER_FIELDS}
         self._endpoint: dict = {}
@@ -77,48 +98,70 @@ class Coordinator:
             return
         self.next_prompt = int(state.get("next_prompt", 0))
         self._pool = {int(p): int(n) for p, n in state.get("todo", {}).items() if int(n) > 0}
+        self._totals.update({k: int(v) for k, v in state.get("totals", {}).items() if k in self._totals})
         self._limiter.set_inserted(0, self.next_prompt)
+        self._limiter.set_samples(1, self._totals["dropped_groups"])
+
+    def _dropped(self) -> int:
+        stats = self._registry.get_stats() if self._registry is not None else {}
+        return self._totals["dropped_groups"] + int(stats.get("dropped_groups", 0))
 
     def _save(self) -> None:
         todo = dict(self._pool)
         for (prompt, _), left in self._units.items():
             todo[prompt] = todo.get(prompt, 0) + left
-        tmp = self._state_path.with_name(PROMPTS + ".tmp")
-        tmp.write_text(json.dumps({"next_prompt": self.next_prompt, "todo": {str(p): n for p, n in todo.items()}}))
-        os.replace(tmp, self._state_path)
+        totals = {"produced": self._totals["produced"] + self._counts["produced"],
+                  "rejected": self._totals["rejected"] + self._counts["rejected"], "dropped_groups": self._dropped()}
+        atomic_write_json(self._state_path, {"next_prompt": self.next_prompt, "totals": totals,
+                                             "todo": {str(p): n for p, n in sorted(todo.items())}})
 
-    # -- work units --------------------------------------------------------------------------------------------
+    # -- collectors --------------------------------------------------------------------------------------------
+    def join(self, lease: str, collector_id: int | None = None) -> int:
+        """A collector joins under ``lease``; returns its collector id (``collector_id`` if given: ``rbpipe run``
+        keeps a restarted collector's id, else the next free one)."""
+        with self._lock:
+            if collector_id is None:  # never an id used before in this service: stored data tells collectors apart
+                collector_id = self._next_id
+            self._next_id = max(self._next_id, int(collector_id) + 1)
+            self._ids[lease] = int(collector_id)
+            self._holders.add(lease)
+            self._joined.add(lease)
+            return int(collector_id)
+
     def take(self, lease: str) -> dict | None:
         """The next unit for the collector holding ``lease``: ``{"prompt", "samples"}``, or None while the band
         is full (ask again shortly). A dead or unknown lease gets nothing (``{"lease": "expired"}``)."""
-        if not LEASES.alive(lease):
+        if not LEASES.alive(lease) or lease not in self._ids:
             return {"lease": "expired"}
         with self._lock:
             self._reclaim()
-            self._holders.add(lease)
             unit = self._pick(lease)
             now = time.monotonic_ns()
             if unit is None:
                 self._blocked_since.setdefault(lease, now)
+                self._publish_blocked(now)
                 return None
             since = self._blocked_since.pop(lease, None)
             if since is not None:
                 self._counts["insert_blocked_ns"] += now - since
             prompt, n = unit
             self._units[(prompt, lease)] = self._units.get((prompt, lease), 0) + n
+            self._shares.setdefault(prompt, set()).add(lease)
             self._counts["units"] += 1
             self._save()
             return {"prompt": prompt, "samples": n}
 
     def _pick(self, lease: str) -> tuple[int, int] | None:
-        open_ = [p for p, n in self._pool.items() if n > 0]
-        for prompt in open_:  # oldest first: a prompt this collector has no share of yet
-            if (prompt, lease) not in self._units:
+        """Oldest open prompt first; a prompt's units go to different collectors while another live collector
+        still lacks one (groups mix collectors); a new prompt only within the band."""
+        live = self._live_holders()
+        for prompt in self._pool:
+            if lease not in self._shares.get(prompt, ()):
                 return prompt, self._from_pool(prompt)
-        can_open = self._band_allows()
-        if open_ and (len(self._live_holders()) <= 1 or not can_open):
-            return open_[0], self._from_pool(open_[0])  # alone, or the band is full: finish the oldest
-        if not can_open:
+        for prompt in self._pool:  # everyone alive has a share of it: nobody else would finish it
+            if all(h in self._shares.get(prompt, ()) for h in live):
+                return prompt, self._from_pool(prompt)
+        if len(self._joined) < self._expect or not self._band_allows():
             return None
         prompt = self.next_prompt
         self.next_prompt += 1
@@ -134,9 +177,13 @@ class Coordinator:
         return n
 
     def _band_allows(self) -> bool:
-        if self._registry is not None:
-            self._limiter.set_samples(1, int(self._registry.get_stats().get("dropped_groups", 0)))
+        self._limiter.set_samples(1, self._dropped())
         return self._limiter.can_insert(1, 0)
+
+    def _publish_blocked(self, now: int) -> None:
+        """Collectors' time blocked on the band (all together), where the learner's metrics read it."""
+        blocked = self._counts["insert_blocked_ns"] + sum(now - t for t in self._blocked_since.values())
+        self._limiter.set_insert_blocked_ns(0, blocked)
 
     def _live_holders(self) -> list[str]:
         return [h for h in self._holders if LEASES.alive(h)]
@@ -156,11 +203,14 @@ class Coordinator:
                 self._counts["lost_leases"] += 1
             self._released.discard(lease)
             self._blocked_since.pop(lease, None)
+            self._ids.pop(lease, None)
         self._holders -= dead
         if back:
             self._counts["reissued_samples"] += sum(back.values())
             merged = {p: n + back.pop(p, 0) for p, n in self._pool.items()}
             self._pool = dict(sorted({**merged, **back}.items()))
+        for leases in self._shares.values():
+            leases -= dead
         self._save()
 
     def appended(self, group, lease) -> None:
@@ -172,6 +222,8 @@ class Coordinator:
                 return  # not a unit's sample (a user's own loop, a requeued payload)
             if left <= 1:
                 del self._units[key]
+                if group not in self._pool and not any(p == group for p, _ in self._units):
+                    self._shares.pop(group, None)  # the prompt is handed over whole
             else:
                 self._units[key] = left - 1
             self._save()
@@ -182,18 +234,27 @@ class Coordinator:
             self.appended(prompt, lease)
 
     def release(self, lease: str) -> None:
-        """A collector leaves cleanly: what it still owed goes back to the pool at once."""
+        """A collector (or learner) leaves cleanly: what it still owed goes back to the pool at once."""
         with self._lock:
             self._released.add(lease)
+            if lease == self._learner_lease:
+                self._learner_lease = None
         LEASES.release(lease)
         with self._lock:
             self._reclaim()
+            self._released.discard(lease)
 
-    # -- counters and progress ---------------------------------------------------------------------------------
-    def count(self, produced: int = 0, rejected: int = 0) -> None:
+    # -- the learner -------------------------------------------------------------------------------------------
+    def claim_learner(self, lease: str) -> str | None:
+        """Make ``lease`` the service's one learner; returns None, or why not (another learner is attached)."""
         with self._lock:
-            self._counts["produced"] += int(produced)
-            self._counts["rejected"] += int(rejected)
+            current = self._learner_lease
+            if current is not None and current != lease and LEASES.alive(current):
+                return (f"a learner is already attached to this service (step {self._learner['step']}); one "
+                        "learner trains a run: stop it first, or attach collectors instead")
+            self._learner_lease = lease
+            self._learner["done"] = 0
+            return None
 
     def report_learner(self, **fields) -> None:
         unknown = set(fields) - set(LEARNER_FIELDS)
@@ -206,15 +267,27 @@ class Coordinator:
     def learner(self) -> dict:
         return dict(self._learner)
 
+    # -- counters and progress ---------------------------------------------------------------------------------
+    def count(self, produced: int = 0, rejected: int = 0) -> None:
+        with self._lock:
+            self._counts["produced"] += int(produced)
+            self._counts["rejected"] += int(rejected)
+
     def status(self) -> dict:
         """Everything a progress line, a stall report or a summary needs, in one call."""
         with self._lock:
             self._reclaim()
-            blocked = sum(time.monotonic_ns() - t for t in self._blocked_since.values())
-            return {**self._counts, "insert_blocked_ns": self._counts["insert_blocked_ns"] + blocked,
-                    "next_prompt": self.next_prompt, "open_prompts": len({p for p, _ in self._units} | set(self._pool)),
-                    "collectors": len(self._live_holders()), "band": self._limiter.describe(),
-                    "learner": dict(self._learner)}
+            now = time.monotonic_ns()
+            self._publish_blocked(now)
+            blocked = sum(now - t for t in self._blocked_since.values())
+            totals = {"produced_total": self._totals["produced"] + self._counts["produced"],
+                      "rejected_total": self._totals["rejected"] + self._counts["rejected"]}
+            return {**self._counts, **totals, "insert_blocked_ns": self._counts["insert_blocked_ns"] + blocked,
+                    "next_prompt": self.next_prompt,
+                    "open_prompts": len({p for p, _ in self._units} | set(self._pool)),
+                    "collectors": {self._ids[h]: h[:8] for h in self._live_holders() if h in self._ids},
+                    "band": self._limiter.describe(), "learner": dict(self._learner),
+                    "learner_attached": self._learner_lease is not None and LEASES.alive(self._learner_lease)}
 
     # -- the service's own description -------------------------------------------------------------------------
     def set_endpoint(self, endpoint: dict) -> None:
@@ -232,6 +305,8 @@ class Coordinator:
         return self._stop
 
     def close(self) -> None:
+        with self._lock:
+            self._save()
         self._limiter.unlink()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError, RbpipeError
+from rbpipe.fsutil import atomic_write_json
 
 ENDPOINT = "endpoint.json"
 AUTHKEY = "authkey"
@@ -35,9 +36,7 @@ def new_authkey(run_dir: Path) -> bytes:
 
 
 def write_endpoint(run_dir: Path, endpoint: dict) -> None:
-    tmp = Path(run_dir) / (ENDPOINT + ".tmp")
-    tmp.write_text(json.dumps(endpoint, indent=1))
-    os.replace(tmp, Path(run_dir) / ENDPOINT)
+    atomic_write_json(Path(run_dir) / ENDPOINT, endpoint, indent=1)
 
 
 def parse_address(text: str) -> tuple[str, int] | None:

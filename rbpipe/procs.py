@@ -12,6 +12,9 @@ import time
 import traceback
 from typing import Any, Callable, Iterator
 
+import multiprocess
+import multiprocess.context
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -130,6 +133,41 @@ def quiet_killed_worker_trackers() -> Iterator[None]:
             os.environ.pop("PYTHONWARNINGS", None)
         else:
             os.environ["PYTHONWARNINGS"] = old
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal dispositions can only be changed there; a library caller in a thread keeps its own
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+class _SigintIgnoringProcess(multiprocess.context.SpawnProcess):
+    """A spawned process that ignores SIGINT from its first instruction on.
+
+    A terminal's Ctrl-C goes to the whole foreground process group: a child still importing torch would die of
+    it with a traceback, and blocking the signal does not help (spawn's ``fork_exec`` resets the child's signal
+    mask). An *ignored* disposition survives ``exec``, so this process's SIGINT is ignored while it forks (a few
+    milliseconds; a Ctrl-C in exactly that window is lost, press it again). The launcher stops its children
+    itself (stop flag, then terminate)."""
+
+    def start(self) -> None:
+        with _sigint_ignored():
+            super().start()
+
+
+class _SigintIgnoringContext(multiprocess.context.SpawnContext):
+    Process = _SigintIgnoringProcess
+
+
+def quiet_spawn_context() -> multiprocess.context.SpawnContext:
+    """The ``spawn`` context whose processes ignore Ctrl-C (see :class:`_SigintIgnoringProcess`)."""
+    return _SigintIgnoringContext()
 
 
 def _parent_pid() -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 STARTING, COMPILING, FIRST_GROUPS, TRAINING, SUMMARY = ("starting processes", "compiling kernels", "first groups",
                                                          "training", "writing the summary")
 PHASES = (STARTING, COMPILING, FIRST_GROUPS, TRAINING, SUMMARY)
-#: what the learner publishes in its phase counter (``workers.control.LEARNER_PHASE``)
+#: the learner's start-up phase, as it reports it to the service (``Coordinator.report_learner(phase=...)``)
 LEARNER_STARTING, LEARNER_COMPILING, LEARNER_READY = 0, 1, 2
 
 

@@ -33,6 +33,7 @@ from rbpipe.errors import ConfigError
 
 _EPS = 1e-9
 SAMPLE_SOURCES = 2  # slots of resolved groups: 0 learner (trained + stale), 1 launcher (dropped)
+RATE_LIMIT_FILE = "rate_limit.bin"  # a run's band, in its run directory
 
 
 def check_settings(samples_per_insert: float, error_buffer: float, min_size_to_sample: int,
@@ -115,13 +116,18 @@ class RateLimiter:
             self.path.unlink(missing_ok=True)
         self._open()
 
-    @classmethod
-    def for_run(cls, cfg: Any, path: str | os.PathLike, *, create: bool = True) -> "RateLimiter":
-        """The limiter of a :class:`~rbpipe.config.RunConfig`: its defaults reproduce the old lead rule (a
-        collector starts prompt ``i`` only while ``i - resolved <= lead_groups``)."""
+    @staticmethod
+    def settings_for_run(cfg: Any) -> dict[str, Any]:
+        """The band of a :class:`~rbpipe.config.RunConfig`: its defaults reproduce the old lead rule (prompt
+        ``i`` starts only while ``i - resolved <= lead_groups``)."""
         spi, m = cfg.samples_per_insert, cfg.min_size_to_sample
-        return cls(spi, spi * (cfg.lead_groups + 1 - m), m, groups_per_step=cfg.groups_per_step,
-                   writers=cfg.collectors, path=path, create=create)
+        return {"samples_per_insert": spi, "error_buffer": spi * (cfg.lead_groups + 1 - m), "min_size_to_sample": m,
+                "groups_per_step": cfg.groups_per_step}
+
+    @classmethod
+    def for_run(cls, cfg: Any, path: str | os.PathLike, *, create: bool = True, writers: int = 1) -> "RateLimiter":
+        """The limiter of a :class:`~rbpipe.config.RunConfig` (a service's coordinator is its one writer)."""
+        return cls(**cls.settings_for_run(cfg), writers=writers, path=path, create=create)
 
     # -- shared state: [inserts per writer | resolved per source | blocked ns per writer | sampler blocked ns]
     def _open(self) -> None:
@@ -165,6 +171,10 @@ class RateLimiter:
         base = self.writers + SAMPLE_SOURCES
         ns = self._a[base:base + self.writers].sum() if writer is None else self._a[base + writer]
         return int(ns) / 1e9
+
+    def set_insert_blocked_ns(self, writer: int, ns: int) -> None:
+        """Time writer ``writer`` has spent blocked (a writer that waits elsewhere, e.g. the coordinator)."""
+        self._a[self.writers + SAMPLE_SOURCES + writer] = int(ns)
 
     def sample_blocked_s(self) -> float:
         """Seconds the sampler spent waiting for data."""

@@ -1,71 +1,67 @@
-"""Collector process: sample this collector's share of every prompt's group and hand it to the buffer.
+"""Collector process: attach to a service, then generate the work units it hands out and hand them over.
 
-Every collector walks the same prompt sequence, so the ``grpo_size`` samples of prompt ``i`` come from
-several processes and only the shared grouping transform can complete the group.
+The service's coordinator gives each collector units of a prompt's group (its share of the ``grpo_size``
+samples), preferring a different collector for each unit, so the samples of prompt ``i`` come from several
+processes and only the shared grouping transform can complete the group. The same loop runs under
+``rbpipe run`` (spawned, one per ``--collectors``) and from a shell (``rbpipe collector --connect``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
+import zlib
+from pathlib import Path
 
 import torch
 
-from rbpipe.config import RunConfig
+from rbpipe.connect import CollectorClient
 from rbpipe.errors import BadTrajectoryError
 from rbpipe.policy import sample_responses
 from rbpipe.procs import run_worker
-from rbpipe.rate_limit import RateLimiter
 from rbpipe.schema import make_trajectory
-from rbpipe.weights import SharedWeights
-from workers.control import RunCounters
+
+IDLE_POLL_S = 0.02  # between asks while the rate limit holds new prompts back
 
 
-def run_collector(collector_id: int, cfg: RunConfig, buffer, weights: SharedWeights,
-                  counters: RunCounters, stop_event, limiter: RateLimiter) -> None:
+def run_collector(target: str | Path, collector_id: int | None = None, *, task: str | None = None,
+                  model: str | None = None, authkey_file: str | None = None, log=print, announce: bool = True) -> None:
+    """Generate and hand over work units until the service asks its workers to stop."""
     torch.set_num_threads(1)  # one core per process; avoids oversubscription on small machines
-    model = cfg.make_model()  # --model PATH or the built-in one; the learner's weights replace its own
-    version = weights.load_into(model)
-    task = cfg.make_task()  # built here from the spec: prompt(i) is the same in every process
-    share = cfg.share_of(collector_id)
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + collector_id * 104_729 + counters.prompt_cursor(collector_id))
-    index = counters.prompt_cursor(collector_id)
-    limiter.set_inserted(collector_id, index)
-    while not stop_event.is_set():
-        if share == 0:
-            time.sleep(0.1)
-            continue
-        # flow control: the shared rate limiter keeps this collector within its lead over the learner
-        if not limiter.wait_insert(1, collector_id, stop_event=stop_event):
-            break
-        if weights.version != version:
-            version = weights.load_into(model)
-        prompt = task.prompt(index)
-        tokens, log_probs = sample_responses(model, prompt, share, max_new_tokens=cfg.max_new_tokens,
-                                             temperature=cfg.temperature, generator=gen)
-        for response, lp in zip(tokens, log_probs):
-            traj = make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
-                                   reward=float(task.reward(prompt, response)), collector_id=collector_id,
-                                   policy_version=version)
-            counters.add_produced(collector_id)
-            try:
-                buffer.extend(traj)
-            except BadTrajectoryError as err:  # rejected before touching shared state: counted, not lost
-                counters.add_rejected(collector_id)
-                print(f"[collector {collector_id}] rejected a trajectory: {err}", flush=True)
-        index += 1
-        counters.set_prompt_cursor(collector_id, index)
-        limiter.set_inserted(collector_id, index)
-
-
-def _close_storage(buffer) -> None:
-    """Flush this process's catalogue rows and seal its segment (a killed process skips this: the launcher
-    repairs the catalogue from the commit log)."""
+    client = CollectorClient(target, authkey_file=authkey_file, collector_id=collector_id, task=task, model=model)
     try:
-        buffer._storage.close()
-    except Exception as err:  # noqa: BLE001 - never mask the real exit reason
-        print(f"[collector] closing the store failed: {err}", flush=True)
+        cfg = client.config
+        policy = cfg.make_model()  # --model PATH or the built-in one; the learner's weights replace its own
+        version = client.load_weights(policy)
+        task_obj = cfg.make_task()  # built here from the spec: prompt(i) is the same in every process
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + client.collector_id * 104_729
+                                            + zlib.crc32(client.lease.encode()))  # a restart samples anew
+        if announce:
+            log(f"[collector {client.collector_id}] attached to {client.run_dir}")
+        while not client.stop_requested():
+            unit = client.take()
+            if unit is None:
+                time.sleep(IDLE_POLL_S)
+                continue
+            if client.weights_version != version:
+                version = client.load_weights(policy)
+            index = unit["prompt"]
+            prompt = task_obj.prompt(index)
+            tokens, log_probs = sample_responses(policy, prompt, unit["samples"], max_new_tokens=cfg.max_new_tokens,
+                                                 temperature=cfg.temperature, generator=gen)
+            for response, lp in zip(tokens, log_probs):
+                traj = make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
+                                       reward=float(task_obj.reward(prompt, response)),
+                                       collector_id=client.collector_id, policy_version=version)
+                try:
+                    client.extend(traj)
+                except BadTrajectoryError as err:  # rejected before touching shared state: counted, not lost
+                    client.skip(index)
+                    log(f"[collector {client.collector_id}] rejected a trajectory: {err}")
+    finally:
+        client.close()
 
 
-def collector_entry(*args) -> None:
-    """Process target (see :func:`rbpipe.procs.run_worker`); the store is closed however the run ends."""
-    run_worker(f"collector {args[0]}", run_collector, *args, cleanup=lambda: _close_storage(args[2]))
+def collector_entry(target: str, collector_id: int) -> None:
+    """Process target of ``rbpipe run`` (see :func:`rbpipe.procs.run_worker`)."""
+    run_worker(f"collector {collector_id}", functools.partial(run_collector, announce=False), target, collector_id)

@@ -1,4 +1,5 @@
-"""Launcher and supervisor: build the shared buffer, spawn collectors and the learner, watch them, report.
+"""Launcher and supervisor: ``rbpipe run`` (a service plus its collectors and learner) and ``rbpipe serve``
+(the service alone, for workers that attach from elsewhere); both watch the run and write its summary.
 
 Start method: ``multiprocess`` with **spawn**. Fork would copy a parent that already ran multi-threaded
 torch ops (a child can then hang in OpenMP while holding a write lock) and share lazily-allocated storages
@@ -8,7 +9,6 @@ paths of memory-mapped files and of the store).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -19,24 +19,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import multiprocess
 
-from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
-from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError, StoreError
+from rbpipe.connect import check_store_path, open_run_store
+from rbpipe.errors import ConfigError, RbpipeError
+from rbpipe.fsutil import atomic_write_json
 from rbpipe.progress import LEARNER_READY, STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
-from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time
+from rbpipe.procs import quiet_killed_worker_trackers, quiet_spawn_context, same_process_alive, start_time
 from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
-from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
-from rbpipe.storage import ArrowStorage, WriterLock, ZarrStorage
+from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
-from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from workers.collector import collector_entry
-from rbpipe.rate_limit import RateLimiter
-from workers.control import (CONSUMED_GROUPS, DROPPED_GROUPS, LEARNER_DONE, LEARNER_PHASE, LEARNER_STEP, STALE_GROUPS,
-                             STALE_TRAJECTORIES, RunCounters)
-from workers.learner import METRICS, learner_entry, truncate_metrics
+from workers.learner import METRICS, learner_entry
+from workers.serve import Service
 
 CONFIG = "config.json"
 PIDS = "pids.json"  # {name: pid} of the run's processes (launcher, manager, learner, collectors)
@@ -70,18 +66,6 @@ def new_run_dir(root: Path = Path("runs")) -> Path:
     """A fresh run directory name (created later, once every input has been checked)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return root / f"{stamp}-{uuid.uuid4().hex[:6]}"
-
-
-def check_store_path(store: Path) -> None:
-    if store.exists() and not store.is_dir():
-        raise StoreError(f"--store {store} is a file, not a store directory: pass a new or existing "
-                         "store directory (rbpipe creates it)")
-
-
-def open_storage_for_run(cfg: RunConfig, store: Path):
-    check_store_path(store)
-    cls = ArrowStorage if cfg.backend == "arrow" else ZarrStorage
-    return cls(store, ragged_keys=RAGGED_KEYS, group_key=GROUP_KEY)
 
 
 def check_group_size(storage, cfg: RunConfig, store: Path) -> None:
@@ -197,18 +181,6 @@ class _Interrupted(Exception):
     """Start-up was interrupted by :class:`StopRequest` (never escapes :func:`launch`)."""
 
 
-@contextlib.contextmanager
-def sigint_blocked():
-    """Block SIGINT while starting a child: the child inherits the blocked mask, so a Ctrl-C (which the
-    terminal sends to the whole process group) never reaches it, not even while it imports torch; the
-    launcher gets the pending signal as soon as the mask is restored and stops the children itself."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def check_task_and_model(cfg: RunConfig) -> None:
     """Build the task and load the model (and its tokenizer) once, as every worker will, so that a bad
     ``--task`` or ``--model`` is a one-line error before any process starts or any file is written."""
@@ -228,6 +200,21 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
     Every input is checked before anything is written; SIGINT and SIGTERM stop the run cleanly
     (:class:`StopRequest`) and every worker dies with the launcher, however it ends.
     """
+    return _open_and_run(cfg, run_dir=run_dir, store=store, resume=resume, steps=steps, progress=progress,
+                         log=log, spawn_workers=True)
+
+
+def serve(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: Path | None = None,
+          resume: Path | None = None, steps: int | None = None, listen: tuple[str, int] | None = None,
+          progress: bool = True, log=print) -> dict[str, Any]:
+    """``rbpipe serve``: the service alone, until SIGINT/SIGTERM or until the attached learner is done; then
+    the summary (the same fields as :func:`launch`). ``listen``: TCP ``(host, port)`` instead of a Unix socket."""
+    return _open_and_run(cfg, run_dir=run_dir, store=store, resume=resume, steps=steps, progress=progress,
+                         log=log, spawn_workers=False, listen=listen)
+
+
+def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progress: bool, log,
+                  spawn_workers: bool, listen=None) -> dict[str, Any]:
     with StopRequest() as stop_request:  # from here on, Ctrl-C/SIGTERM never cut a step in half
         if resume is not None:
             run_dir = Path(resume)
@@ -235,14 +222,19 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
         else:
             cfg = cfg or RunConfig()
             run_dir, store = _prepare_new(run_dir, store)
+        if cfg.grouping != "rbpipe":
+            raise ConfigError(f"--grouping {cfg.grouping}: a run's collectors and learner attach to rbpipe's shared "
+                              "grouping service; torchrl's stock MCAdvantage is the baseline of "
+                              "`python bench/grouping.py` and `rbpipe stress --grouping torchrl`")
         check_task_and_model(cfg)  # before the run directory or the store is touched
         store = store.resolve()
         lock = WriterLock(store)
         lock.acquire()
         try:
-            storage = open_storage_for_run(cfg, store)
+            storage = open_run_store(cfg, store)
             check_group_size(storage, cfg, store)
             run_dir.mkdir(parents=True, exist_ok=True)
+            run_dir = run_dir.resolve()
             if resume is None or steps is not None:
                 cfg.save(run_dir / CONFIG)
             if resume is None:
@@ -251,83 +243,52 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
             lock.release()
             raise
         return _launch_locked(cfg, run_dir, store, storage, lock, resume is not None, stop_request,
-                              progress=progress, log=log)
+                              progress=progress, log=log, listen=listen, spawn_workers=spawn_workers)
 
 
 def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: WriterLock, resumed: bool,
-                   stop_request: StopRequest, *, progress: bool, log) -> dict[str, Any]:
-    """The run itself, once the store's writer lock is held; always releases it and writes the summary."""
+                   stop_request: StopRequest, *, progress: bool, log, listen=None,
+                   spawn_workers: bool = True) -> dict[str, Any]:
+    """The run itself, once the store's writer lock is held: a :class:`Service` plus (``rbpipe run``) the
+    collectors and the learner, attached to it as any worker would be. Always releases the lock and writes
+    the summary."""
     t0 = time.time()
-    ctx = multiprocess.get_context("spawn")
-    manager = None
-    weights = counters = limiter = None
+    ctx = quiet_spawn_context()
+    service = Service(cfg, run_dir, store, storage, listen=listen,
+                      expect_collectors=cfg.collectors if spawn_workers else 1)
     workers: list[Worker] = []
-    stop = ctx.Event()
     status = "interrupted"
+    session_start = None
     try:
         stop_request.check()
-        with sigint_blocked():
-            manager = start_manager()
+        service.start(log=log)
+        session_start = {"produced": 0, "rejected": 0, "rows": service.rows_at_start, "requeued": service.requeued,
+                         "torn": service.torn}
         stop_request.check()
-        buffer = make_replay_buffer(storage, grouping=cfg.grouping, manager=manager,
-                                    staging_dir=store / "staging", **cfg.grouping_kwargs())
-        # trajectories staged by a previous (crashed or stopped) session are queued again, not lost
-        rows_before_requeue = len(storage)
-        requeued, torn = buffer.requeue_staged() if cfg.grouping == "rbpipe" else (0, 0)
-        if requeued or torn:
-            log(f"resumed {requeued} pending trajectories from the staging area"
-                + (f"; {torn} torn staging file(s) set aside" if torn else ""))
-        model = cfg.make_model()
-        numel = sum(p.numel() for p in model.parameters())
-        weights = SharedWeights(default_weights_dir(run_dir) / f"{WEIGHTS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                                numel, create=True)
-        ckpt = run_dir / "checkpoint.pt"
-        version = 0
-        if ckpt.exists():  # collectors must start from the checkpoint's policy *and* its version number, or
-            import torch   # their first groups look older than the resumed learner and are retired as stale
-
-            state = torch.load(ckpt, weights_only=False)
-            model.load_state_dict(state["model"])
-            version = int(state["step"])
-        truncate_metrics(run_dir / METRICS, version)  # steps past the checkpoint are trained (and logged) again
-        weights.publish(model, version=version, learner_step=version)
-        counters = RunCounters(run_dir / "counters.bin", cfg.collectors, create=not resumed)
-        counters.set(LEARNER_DONE, 0)
-        counters.set(LEARNER_PHASE, 0)
-        counters.set(LEARNER_STEP, version)  # the progress bar starts where the checkpoint left off
-        limiter = _rate_limiter(cfg, run_dir, counters)
-        session_start = {"produced": counters.produced(), "rejected": counters.rejected(), "rows": rows_before_requeue,
-                         "requeued": requeued, "torn": torn}
-        stop_request.check()
-
-        workers.append(Worker("learner", learner_entry, (cfg, storage, weights, counters, stop, str(run_dir),
-                                                           limiter)))
-        for cid in range(cfg.collectors):
-            workers.append(Worker(f"collector {cid}", collector_entry, (cid, cfg, buffer, weights, counters, stop,
-                                                                          limiter)))
-        pids = {"launcher": os.getpid(), "manager": _manager_pid(manager)}
+        pids = {"launcher": os.getpid(), "manager": _manager_pid(service.manager)}
+        if spawn_workers:
+            target = str(run_dir)
+            workers.append(Worker("learner", learner_entry, (target,)))
+            for cid in range(cfg.collectors):
+                workers.append(Worker(f"collector {cid}", collector_entry, (target, cid)))
+        else:
+            log(f"serving {run_dir} (store {store}) at {_describe(service.manager.address)}: attach workers with "
+                f"`rbpipe collector --connect {run_dir}` and `rbpipe learner --connect {run_dir}`; Ctrl-C stops")
         write_pids(run_dir, pids)
         for w in workers:
             _start(ctx, w, pids, run_dir)
-        status = _supervise(cfg, workers, buffer, counters, run_dir, stop, pids, stop_request,
-                            progress=progress, log=log, limiter=limiter)
+        status = _supervise(cfg, workers, service, run_dir, pids, stop_request, progress=progress, log=log)
     except _Interrupted:
         pass
     finally:
         if stop_request.requested and status == "interrupted":
             log(f"interrupted ({stop_request.signals[0]}): stopping workers; {resume_hint(run_dir)}")
-        stop.set()
+        service.request_stop()
         _stop_all(workers, hurry=lambda: stop_request.hurry)
-        stats = _final_stats(locals().get("buffer"))
-        if manager is not None:
-            try:
-                manager.shutdown()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if weights is not None:
-            weights.unlink()
-        if limiter is not None:
-            limiter.unlink()
+        if not workers and not stop_request.hurry:  # `rbpipe serve`: attached workers leave before it closes
+            service.wait_for_workers()
+        final = _final_status(service)
+        service.close()
         try:
             repaired = repair_catalog(store)
             if repaired:
@@ -335,34 +296,31 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         except RbpipeError as err:
             log(f"catalogue repair skipped: {err}")
         lock.release()
-    summary = _summarize(cfg, run_dir, store, storage, stats, counters, workers, t0, status,
-                         locals().get("session_start"))
+    summary = _summarize(cfg, run_dir, store, storage, final, workers, t0, status, session_start)
     log(summary_table(summary))
     if status == "interrupted":
         log(f"run interrupted; {resume_hint(run_dir)}")
     return summary
 
 
+def _describe(address) -> str:
+    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else f"unix socket {address}"
+
+
 def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
     w.process = ctx.Process(target=w.target, args=w.args, name=f"rbpipe {w.name}", daemon=True)
-    with sigint_blocked(), quiet_killed_worker_trackers():
+    with quiet_killed_worker_trackers():
         w.process.start()
     if pids is not None and run_dir is not None:
         pids[w.name] = w.process.pid
         write_pids(run_dir, pids)
 
 
-def _atomic_write(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 def write_pids(run_dir: Path, pids: dict) -> None:
     """``RUN_DIR/pids.json``: who is running now (for operators, the fault tests and ``--resume``, which refuses
     while any of them lives), and their start times in ``pid_starts.json`` (written first)."""
-    _atomic_write(run_dir / PID_STARTS, {name: start_time(pid) for name, pid in pids.items() if pid})
-    _atomic_write(run_dir / PIDS, pids)
+    atomic_write_json(run_dir / PID_STARTS, {name: start_time(pid) for name, pid in pids.items() if pid})
+    atomic_write_json(run_dir / PIDS, pids)
 
 
 def _manager_pid(manager) -> int | None:
@@ -370,27 +328,30 @@ def _manager_pid(manager) -> int | None:
     return getattr(process, "pid", None)
 
 
-def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCounters, run_dir: Path, stop,
-               pids: dict, stop_request: StopRequest, *, progress: bool, log, limiter: RateLimiter) -> str:
-    """Watch workers until the learner finishes or a stop is requested; restart dead collectors with back-off."""
+def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir: Path, pids: dict,
+               stop_request: StopRequest, *, progress: bool, log) -> str:
+    """Watch the service (and ``rbpipe run``'s workers) until the learner finishes or a stop is requested;
+    restart dead collectors with back-off."""
     from tqdm import tqdm
 
-    start_step = counters.get(LEARNER_STEP)
+    status = service.status()
+    start_step = int(status["learner"]["step"])
     bar = tqdm(total=cfg.steps, initial=start_step, desc=STARTING, unit="step", disable=not progress,
                dynamic_ncols=True)
-    learner = workers[0]
+    learner = workers[0] if workers else None
     tail = MetricsTail(run_dir / METRICS)
     last_t, last_written = time.time(), 0
-    dropped_before = counters.get(DROPPED_GROUPS)  # this session's manager counts from zero
-    last_step, last_progress, stall_reported = counters.get(LEARNER_STEP), time.time(), False
+    last_step, last_progress, stall_reported = start_step, time.time(), False
     try:
         while True:
             time.sleep(0.25)
-            if counters.get(LEARNER_DONE):
+            status = service.status()
+            learner_state = status["learner"]
+            if learner_state["done"]:
                 return "done"
             if stop_request.requested:
-                return "interrupted"
-            if not learner.process.is_alive():
+                return "interrupted" if workers else "stopped"
+            if learner is not None and not learner.process.is_alive():
                 cause = exit_cause(learner.process.exitcode)
                 log(f"learner {cause}; stopping the run ({resume_hint(run_dir)})")
                 return f"learner {cause}"
@@ -407,23 +368,17 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
                     w.next_start = time.time() + delay
                     w.restarts += 1
                 elif w.process is None and time.time() >= w.next_start:
-                    _start(multiprocess.get_context("spawn"), w, pids, run_dir)
-            step = counters.get(LEARNER_STEP)
+                    _start(quiet_spawn_context(), w, pids, run_dir)
+            step = int(learner_state["step"])
             bar.n = step
-            bar.set_description(phase(counters.get(LEARNER_PHASE), step, start_step), refresh=False)
+            bar.set_description(phase(int(learner_state["phase"]), step, start_step), refresh=False)
             record = tail.poll()
-            try:
-                stats = buffer.grouping_transform.get_stats()
-            except Exception as err:  # noqa: BLE001
-                raise ManagerDiedError(f"the shared-state manager stopped answering ({err}); the run cannot "
-                                       f"continue. Resume it with: rbpipe run --resume {run_dir}") from err
-            counters.set(DROPPED_GROUPS, dropped_before + int(stats.get("dropped_groups", 0)))
-            limiter.set_samples(1, counters.get(DROPPED_GROUPS))  # dropped groups move the band on too
+            stats = status["grouping"]
             now = time.time()
             if step != last_step:
                 last_step, last_progress, stall_reported = step, now, False
-            elif now - last_progress > STALL_REPORT_S and not stall_reported:
-                log(_stall_report(cfg, counters, stats, now - last_progress, limiter))
+            elif now - last_progress > STALL_REPORT_S and not stall_reported and status["learner_attached"]:
+                log(_stall_report(status, now - last_progress))
                 stall_reported = True
             written = int(stats.get("written_groups", 0)) * cfg.grpo_size
             rate = (written - last_written) / max(1e-6, now - last_t)
@@ -433,7 +388,10 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
     except KeyboardInterrupt:  # only where SIGINT keeps Python's default handler (launch() replaces it)
         return "interrupted"
     finally:  # what follows (stopping workers, the catalogue, the plot) takes seconds: say so
-        bar.n = counters.get(LEARNER_STEP)
+        try:
+            bar.n = int(service.status()["learner"]["step"])
+        except RbpipeError:
+            pass
         if bar.n > start_step:  # steps that ran between two refreshes (a short run) are shown as training first
             bar.set_description(phase(LEARNER_READY, bar.n, start_step), refresh=False)
             bar.refresh()
@@ -442,25 +400,14 @@ def _supervise(cfg: RunConfig, workers: list[Worker], buffer, counters: RunCount
         bar.close()
 
 
-def _stall_report(cfg: RunConfig, counters: RunCounters, stats: dict, idle_s: float,
-                  limiter: RateLimiter) -> str:
+def _stall_report(status: dict, idle_s: float) -> str:
     """One line that says where a run without learner progress is waiting (printed once per stall)."""
-    blocked = [w for w in range(cfg.collectors) if not limiter.can_insert(1, w)]
-    return (f"no learner step for {idle_s:.0f}s (step {counters.get(LEARNER_STEP)}): {limiter.describe()}; "
-            f"collectors blocked by it {blocked}, learner waited {limiter.sample_blocked_s():.0f}s for data; groups "
-            f"written {stats.get('written_groups')}, dropped {stats.get('dropped_groups')}, trajectories queued "
+    stats, learner = status["grouping"], status["learner"]
+    return (f"no learner step for {idle_s:.0f}s (step {learner['step']}): {status['band']}; collectors attached "
+            f"{sorted(status['collectors'])}, blocked by the band {status['insert_blocked_ns'] / 1e9:.0f}s in all, "
+            f"learner waited {learner.get('sample_blocked_ns', 0) / 1e9:.0f}s for data; groups written "
+            f"{stats.get('written_groups')}, dropped {stats.get('dropped_groups')}, trajectories queued "
             f"{stats.get('queued_trajectories')}")
-
-
-def _rate_limiter(cfg: RunConfig, run_dir: Path, counters: RunCounters) -> RateLimiter:
-    """The run's one rate limiter (collectors, learner and this supervisor share it), seeded from the
-    counters so that a resumed run starts where the last session's band stood."""
-    limiter = RateLimiter.for_run(cfg, run_dir / "rate_limit.bin", create=True)
-    for cid in range(cfg.collectors):
-        limiter.set_inserted(cid, counters.prompt_cursor(cid))
-    limiter.set_samples(0, counters.get(CONSUMED_GROUPS) + counters.get(STALE_GROUPS))
-    limiter.set_samples(1, counters.get(DROPPED_GROUPS))
-    return limiter
 
 
 def _stop_all(workers: list[Worker], timeout: float = 15.0, hurry=lambda: False) -> None:
@@ -480,16 +427,14 @@ def _stop_all(workers: list[Worker], timeout: float = 15.0, hurry=lambda: False)
                 w.process.join(timeout=3)
 
 
-def _final_stats(buffer) -> dict[str, Any]:
-    if buffer is None:
-        return {}
+def _final_status(service: Service) -> dict[str, Any]:
     try:
-        return dict(buffer.grouping_transform.get_stats())
+        return service.status()
     except Exception:  # noqa: BLE001 - manager gone: report what the store says
         return {}
 
 
-def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict, counters, workers, t0: float,
+def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict, workers, t0: float,
                status: str, start: dict | None) -> dict[str, Any]:
     """Cumulative figures of the run, plus the exact per-session balance that ``conservation_ok`` checks.
 
@@ -498,6 +443,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict,
     while handing one over may lose that one (it never reached shared state): ``lost_in_flight <= kills``.
     """
     start = start or {"produced": 0, "rejected": 0, "rows": 0, "requeued": 0, "torn": 0}
+    stats = final.get("grouping", {})
     records = read_metrics(run_dir / METRICS)
     first, last = first_last_fraction([r["reward_mean"] for r in records])
     plot = plot_rewards(records, run_dir / PLOT, title=f"rbpipe run ({cfg.loss.get('loss', 'grpo')}, lr={cfg.lr})")
@@ -506,12 +452,13 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict,
     dropped = groups_dropped * cfg.samples_per_prompt
     unselected = int(stats.get("unselected_trajectories", 0))
     queued = int(stats.get("queued_trajectories", 0))
-    produced = counters.produced() if counters is not None else None
-    rejected = counters.rejected() if counters is not None else 0
+    produced = final.get("produced_total")
+    rejected = final.get("rejected_total", 0)
     handed_over = int(stats.get("completed_trajectories", 0))
-    kills = sum(1 for w in workers[1:] for e in w.exits if e != "exited normally")
-    session = {"produced": None if produced is None else produced - start["produced"],
-               "rejected": rejected - start["rejected"], "requeued_at_start": start["requeued"],
+    exits = sum(1 for w in workers[1:] for e in w.exits if e != "exited normally")
+    kills = max(exits, int(final.get("lost_leases", 0)))
+    session = {"produced": final.get("produced"), "rejected": final.get("rejected", 0),
+               "requeued_at_start": start["requeued"],
                "torn_staging_files": start["torn"], "handed_over": handed_over,
                "written": written - start["rows"], "dropped": dropped, "unselected": unselected, "queued": queued}
     # requeued trajectories went through the transform again, so they are part of handed_over
@@ -526,12 +473,13 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, stats: dict,
         "grpo_size": cfg.grpo_size,
         "learner_steps": records[-1]["step"] if records else 0,
         "reward_first20": first, "reward_last20": last,
-        "stale_trajectories": counters.get(STALE_TRAJECTORIES) if counters is not None else 0,
+        "stale_trajectories": int(final.get("learner", {}).get("stale_trajectories", 0)),
         "restarts": sum(w.restarts for w in workers[1:]),
         "worker_exits": {w.name: w.exits for w in workers if w.exits},
         "duration_s": round(time.time() - t0, 2),
         "store": str(store), "run_dir": str(run_dir), "plot": str(plot) if plot else None,
         "session": session, "grouping_stats": stats,
+        "collectors": {k: final.get(k, 0) for k in ("units", "reissued_samples", "lost_leases")},
         "conservation_ok": bool(stats) and balanced and session["lost_in_flight"] is not None
         and 0 <= session["lost_in_flight"] <= kills,
     }

@@ -5,6 +5,7 @@ It reads the store (not the collectors): whatever was committed is trainable, in
 
 from __future__ import annotations
 
+import functools
 import copy
 import json
 import os
@@ -14,20 +15,16 @@ from pathlib import Path
 import torch
 from torchrl.data import ReplayBuffer
 
-from rbpipe.config import RunConfig
+from rbpipe.connect import LearnerClient
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.policy import build_learner_actor
 from rbpipe.procs import run_worker
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
-from rbpipe.rate_limit import RateLimiter
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity
 from rbpipe.storage.gather import parallel_available
 from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
-from rbpipe.weights import SharedWeights
-from workers.control import (CONSUMED_GROUPS, LEARNER_DONE, LEARNER_PHASE, LEARNER_STEP, STALE_GROUPS,
-                             STALE_TRAJECTORIES, RunCounters)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -40,10 +37,21 @@ def save_checkpoint(run_dir: Path, state: dict) -> None:
     os.replace(tmp, run_dir / CHECKPOINT)
 
 
-def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCounters, stop_event,
-                run_dir: str, limiter: RateLimiter) -> None:
+def run_learner(target: str | Path, *, authkey_file: str | None = None, model: str | None = None,
+                task: str | None = None, log=print, announce: bool = True) -> None:
+    """Attach to the service at ``target`` as its learner and train until its ``steps`` (or target reward)."""
     torch.set_num_threads(1)
-    run_dir = Path(run_dir)
+    client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task)
+    try:
+        if announce:
+            log(f"[learner] attached to {client.run_dir}")
+        _train(client)
+    finally:
+        client.close()
+
+
+def _train(client: LearnerClient) -> None:
+    cfg, run_dir, storage, limiter = client.config, client.run_dir, client.storage, client.limiter
     model, tokenizer = cfg.make_model_and_tokenizer()  # --model PATH or the built-in one
     actor = build_learner_actor(model, tokenizer)
     loss_cfg = cfg.loss_config()
@@ -69,12 +77,11 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
         if ref_actor is not None and "ref_model" in state:
             ref_actor.model.load_state_dict(state["ref_model"])
     sampler.consumer_version = step
-    weights.publish(model, version=step, learner_step=step)
-    counters.set(LEARNER_STEP, step)
-    _publish_progress(counters, sampler, limiter)
-    counters.set(LEARNER_PHASE, LEARNER_COMPILING)
+    client.publish(model, step)
+    client.report(step=step, phase=LEARNER_COMPILING, done=0)
+    _publish_progress(client, sampler)
     parallel_available()  # compile (or load from numba's disk cache) the group-copy kernels in their own phase
-    counters.set(LEARNER_PHASE, LEARNER_READY)
+    client.report(phase=LEARNER_READY)
     t0 = time.time()
     recent: list[float] = []
     saved = step
@@ -89,12 +96,11 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
     blocked_mark = limiter.insert_blocked_s()
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
     with MetricsSink(run_dir, cfg.logger, start_step=step) as sink:
-        while step < cfg.steps and not stop_event.is_set():
+        while step < cfg.steps and not client.stop_requested():
             waited_from = time.perf_counter()
             # stale groups retired while waiting are published at once: they free the collectors
             if not limiter.wait_sample(cfg.groups_per_step, lambda: sampler.available_groups(storage),
-                                       stop_event=stop_event,
-                                       on_wait=lambda: _publish_progress(counters, sampler, limiter)):
+                                       stop_event=client, on_wait=lambda: _publish_progress(client, sampler)):
                 break
             data_wait = time.perf_counter() - waited_from
             rows, info = buffer.sample(return_info=True)
@@ -107,9 +113,9 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
             lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
             step += 1
             sampler.consumer_version = step
-            weights.publish(model, version=step, learner_step=step)
-            counters.set(LEARNER_STEP, step)
-            _publish_progress(counters, sampler, limiter)
+            client.publish(model, step)
+            client.report(step=step)
+            _publish_progress(client, sampler)
             reward = rows.get(REWARD_KEY).float()
             trained = _group_fingerprints(rows)
             blocked_now = limiter.insert_blocked_s()
@@ -132,7 +138,7 @@ def run_learner(cfg: RunConfig, storage, weights: SharedWeights, counters: RunCo
                 break
     if step != saved:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
         checkpoint()
-    counters.set(LEARNER_DONE, 1)
+    client.report(done=1)
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -155,12 +161,10 @@ def truncate_metrics(path: Path, step: int) -> None:
         os.replace(tmp, path)
 
 
-def _publish_progress(counters: RunCounters, sampler: FreshGroupSampler, limiter: RateLimiter) -> None:
-    """What the rate limiter (the collectors' flow control) and the launcher's summary read."""
-    counters.set(CONSUMED_GROUPS, sampler.consumed_groups)
-    counters.set(STALE_GROUPS, sampler.stale_groups)
-    counters.set(STALE_TRAJECTORIES, sampler.stale_trajectories)
-    limiter.set_samples(0, sampler.consumed_groups + sampler.stale_groups)
+def _publish_progress(client: LearnerClient, sampler: FreshGroupSampler) -> None:
+    """What the rate limit (the collectors' flow control) and the service's summary read."""
+    client.report(consumed_groups=sampler.consumed_groups, stale_groups=sampler.stale_groups,
+                  stale_trajectories=sampler.stale_trajectories)
 
 
 def _group_fingerprints(rows) -> list[list[int]]:
@@ -175,6 +179,6 @@ def _group_fingerprints(rows) -> list[list[int]]:
     return list(out.values())
 
 
-def learner_entry(*args) -> None:
-    """Process target (see :func:`rbpipe.procs.run_worker`)."""
-    run_worker("learner", run_learner, *args)
+def learner_entry(target: str) -> None:
+    """Process target of ``rbpipe run`` (see :func:`rbpipe.procs.run_worker`)."""
+    run_worker("learner", functools.partial(run_learner, announce=False), target)

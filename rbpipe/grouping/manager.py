@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Any
 
-import multiprocess
 from multiprocess import connection as _mp_connection
 from multiprocess import managers as _mp_managers
 from multiprocess.managers import BaseManager, MakeProxyType, RemoteError
@@ -22,7 +21,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
-from rbpipe.procs import die_with_parent
+from rbpipe.procs import die_with_parent, quiet_spawn_context
 
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
@@ -163,16 +162,13 @@ def _get_coordinator(name: str, settings: dict | None = None):
     return get_coordinator(name, settings)
 
 
-def _coordinator_exposed() -> tuple[str, ...]:
-    from rbpipe.coordinator import Coordinator
-
-    return Coordinator.exposed
-
-
-CoordinatorProxy = MakeProxyType("CoordinatorProxy", _coordinator_exposed())
+#: the service coordinator's remote methods (rbpipe.coordinator.Coordinator.exposed is this tuple)
+COORDINATOR_EXPOSED = ("take", "skip", "count", "join", "release", "claim_learner", "report_learner", "learner",
+                       "status", "endpoint", "set_endpoint", "request_stop", "stop_requested")
+CoordinatorProxy = MakeProxyType("CoordinatorProxy", COORDINATOR_EXPOSED)
 CoordinatorProxy.__module__ = __name__
 GroupingManager.register("get_coordinator", callable=_get_coordinator, proxytype=CoordinatorProxy,
-                         exposed=_coordinator_exposed())
+                         exposed=COORDINATOR_EXPOSED)
 
 
 # -- a forked child never uses its parent's connection -----------------------------------------------------------
@@ -235,7 +231,7 @@ def start_manager(*, address: tuple[str, int] | str | None = None, authkey: byte
     """
     spin_seconds()  # a bad RBPIPE_SPIN_US fails here, in plain words, before a process is spawned
     manager = GroupingManager(address=address, authkey=authkey or secrets.token_bytes(32),
-                              ctx=multiprocess.get_context("spawn"))
+                              ctx=quiet_spawn_context())  # it ignores Ctrl-C: its owner shuts it down
     manager.start(_init_manager_process, (os.getpid(),))
     return manager
 

@@ -189,6 +189,7 @@ class GroupRegistry:
     def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
                  staging: dict | None = None, leases: LeaseTable | None = None) -> None:
         self._options = dict(options)
+        self.on_append = None  # (manager-side) called as on_append(group, owner) after each append
         self._leases = LEASES if leases is None else leases  # the manager process's one table
         self.staging = dict(staging) if staging else None
         self._quarantine: list[dict] = []
@@ -309,6 +310,8 @@ class GroupRegistry:
                     deltas = {name: mc._stats[name] - before[name] for name in DEFERRED}
                     result = self._new_claim(group, members, out, deltas, owner, reserve_rows)
         self.renew(owner)  # every call is a heartbeat too
+        if self.on_append is not None:  # a service's coordinator: one sample of a work unit was handed over
+            self.on_append(group, owner)
         result["recovered"] = self._orphans(owner)
         return result
 

@@ -114,6 +114,8 @@ class _WriterLease:
                 pass
 
 
+ProcessLease = _WriterLease  # public name: a learner (or any worker that owns no claims) holds one too
+
 _LEASES_HELD: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -291,6 +293,10 @@ class SharedMCAdvantage(MCAdvantage):
                 if lease is None:
                     lease = self.__dict__["_lease"] = _WriterLease(self._registry)
         return lease.token_now()
+
+    def lease_token(self) -> str:
+        """This process's lease token: what a service's coordinator knows this writer by."""
+        return self._owner()
 
     def close(self) -> None:
         """Release this process's lease: the claims it took and did not confirm are handed to the next writer at

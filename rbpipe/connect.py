@@ -1,0 +1,238 @@
+"""Workers' side of a service: :func:`connect` for collectors, :func:`connect_learner` for the learner.
+
+``rbpipe collector --connect`` and ``rbpipe learner --connect`` are thin loops over these two objects, and
+so are the processes ``rbpipe run`` spawns: a user's own collector loop or learner uses exactly the code the
+built-in ones do. Everything is attached through the service's ``endpoint.json`` (or ``HOST:PORT`` plus a
+key): the grouping registry (whole groups across writers), the coordinator (which prompts to generate, the
+rate limit, counters), the store and the weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rbpipe.config import RunConfig
+from rbpipe.endpoint import REGISTRY_NAME, Attachment, attach
+from rbpipe.grouping.manager import call
+from rbpipe.errors import BadTrajectoryError, ConfigError, RbpipeError, StoreError
+from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
+from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
+from rbpipe.task_spec import normalize_spec
+from rbpipe.weights import SharedWeights
+
+
+def check_store_path(store: Path) -> None:
+    if store.exists() and not store.is_dir():
+        raise StoreError(f"--store {store} is a file, not a store directory: pass a new or existing "
+                         "store directory (rbpipe creates it)")
+
+
+def open_run_store(cfg: RunConfig, store: Path):
+    """The run's store (created if new) with the trajectory schema's ragged keys and group key."""
+    from rbpipe.storage import ArrowStorage, ZarrStorage
+
+    check_store_path(store)
+    cls = ArrowStorage if cfg.backend == "arrow" else ZarrStorage
+    return cls(store, ragged_keys=RAGGED_KEYS, group_key=GROUP_KEY)
+
+
+def _check_same(what: str, mine: str | None, theirs: str | None, target: str) -> None:
+    if mine is not None and mine != theirs:
+        raise ConfigError(f"--{what} {mine} differs from the service's ({theirs}): every process of a run uses "
+                          f"the service's {what}; drop --{what}, or start a service with it "
+                          f"(rbpipe serve --{what} {mine})")
+
+
+class _Attached:
+    """What collectors and the learner share: the attachment, the run's config, the weights, the stop flag."""
+
+    def __init__(self, target: str | Path, authkey_file: str | None, task: str | None, model: str | None) -> None:
+        self.attachment: Attachment = attach(target, authkey_file)
+        self.config = self.attachment.config()
+        _check_same("task", None if task is None else normalize_spec(task), self.config.task, str(target))
+        _check_same("model", None if model is None else str(Path(model).resolve()),
+                    None if self.config.model is None else str(Path(self.config.model).resolve()), str(target))
+        spec = self.attachment.endpoint["weights"]
+        self._weights = SharedWeights(spec["path"], spec["numel"])
+        self.coordinator = self.attachment.coordinator
+        self._stop_checked, self._stop = 0.0, False
+
+    @property
+    def run_dir(self) -> Path:
+        return self.attachment.run_dir
+
+    @property
+    def store(self) -> Path:
+        return self.attachment.store
+
+    @property
+    def weights_version(self) -> int:
+        return self._weights.version
+
+    def load_weights(self, model: torch.nn.Module) -> int:
+        """Copy the latest published policy into ``model``; returns its version."""
+        return self._weights.load_into(model)
+
+    def is_set(self) -> bool:
+        """True once the service asked its workers to finish (checked at most every 0.2 s; an event-like API
+        so that waits which take a ``stop_event`` can take this object)."""
+        now = time.monotonic()
+        if not self._stop and now - self._stop_checked > 0.2:
+            self._stop_checked = now
+            self._stop = bool(self._call("stop_requested"))
+        return self._stop
+
+    stop_requested = is_set
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """A coordinator call; a service that went away is :class:`~rbpipe.errors.ManagerDiedError` (one line)."""
+        return call(self.coordinator, method, *args)
+
+
+class CollectorClient(_Attached):
+    """A collector attached to a service: take work units, hand trajectories over, read the weights.
+
+    Args:
+        target: the service's run directory (``endpoint.json``), or ``HOST:PORT`` with the key in
+            ``RBPIPE_AUTHKEY`` / ``authkey_file``.
+        collector_id: this collector's id in the stored data (default: the next free one).
+        task, model: only to check that they are the service's (a mismatch is a one-line error).
+
+    Example (with ``rbpipe serve --run-dir runs/shared`` running; ``examples/custom_collector.py`` in full)::
+
+        with rbpipe.connect("runs/shared") as client:
+            unit = client.take()  # {"prompt": 12, "samples": 4}, or None while the rate limit holds back
+            ...                   # generate unit["samples"] responses to task.prompt(unit["prompt"])
+            client.extend(trajectory)  # each one, built with rbpipe.schema.make_trajectory
+    """
+
+    def __init__(self, target: str | Path, *, authkey_file: str | None = None, collector_id: int | None = None,
+                 task: str | None = None, model: str | None = None) -> None:
+        super().__init__(target, authkey_file, task, model)
+        from rbpipe.buffer import make_replay_buffer
+
+        cfg = self.config
+        self.storage = open_run_store(cfg, self.store)
+        self.buffer = make_replay_buffer(self.storage, manager=self.attachment.manager,
+                                         staging_dir=self.store / "staging", name=REGISTRY_NAME,
+                                         **cfg.grouping_kwargs())
+        self._wanted_id = collector_id
+        self._join()
+        self._model = None
+
+    def _join(self) -> None:
+        self.lease = self.buffer.grouping_transform.lease_token()
+        self.collector_id = int(self._call("join", self.lease, self._wanted_id))
+        self._wanted_id = self.collector_id
+
+    def take(self) -> dict | None:
+        """The next work unit ``{"prompt": index, "samples": n}``, or None while the rate limit holds new
+        prompts back (ask again shortly)."""
+        unit = self._call("take", self.lease)
+        if unit is not None and unit.get("lease") == "expired":  # frozen past the lease's time to live
+            self._join()
+            unit = self._call("take", self.lease)
+            if unit is not None and "lease" in unit:
+                raise RbpipeError("the service no longer knows this collector's lease; restart the collector")
+        return unit
+
+    def extend(self, trajectory) -> None:
+        """Hand one trajectory (or a batch) over, validated exactly as ``rbpipe run``'s collectors are.
+
+        Raises :class:`~rbpipe.errors.BadTrajectoryError` (one line; nothing of it was handed over) on bad
+        input; it is counted as rejected."""
+        self._call("count", 1)
+        try:
+            self.buffer.extend(trajectory)
+        except BadTrajectoryError:
+            self._call("count", 0, 1)
+            raise
+
+    def skip(self, prompt: int, n: int = 1) -> None:
+        """``n`` samples of the current unit of ``prompt`` that will not be handed over (rejected)."""
+        self._call("skip", self.lease, prompt, n)
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(version, state_dict)`` of the latest published policy (the run's model architecture)."""
+        if self._model is None:
+            self._model = self.config.make_model()
+        version = self.load_weights(self._model)
+        return version, self._model.state_dict()
+
+    def close(self) -> None:
+        """Leave: what this collector still owed goes back to the others at once; its segment is sealed."""
+        try:
+            self._call("release", self.lease)
+        except Exception:  # noqa: BLE001 - the service is gone: nothing to hand back
+            pass
+        self.buffer.grouping_transform.close()
+        self.storage.close()
+
+    def __enter__(self) -> "CollectorClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LearnerClient(_Attached):
+    """The service's one learner: sample whole fresh groups from the store, publish weights, report progress.
+
+    Args:
+        target: as for :class:`CollectorClient`.
+        task, model: only checked against the service's.
+
+    Example (``workers/learner.py`` is the whole loop)::
+
+        client = rbpipe.connect_learner("runs/shared")
+        rows = ReplayBuffer(storage=client.storage, sampler=FreshGroupSampler(num_groups=8), ...).sample()
+        ...                       # the loss, backward, optimizer step
+        client.publish(model, version=step)
+        client.report(step=step)
+    """
+
+    def __init__(self, target: str | Path, *, authkey_file: str | None = None, task: str | None = None,
+                 model: str | None = None) -> None:
+        super().__init__(target, authkey_file, task, model)
+        from rbpipe.grouping.transform import ProcessLease
+
+        self._lease = ProcessLease(self.attachment.registry)
+        self.lease = self._lease.token_now()
+        problem = self._call("claim_learner", self.lease)
+        if problem:
+            self._lease.release()
+            raise RbpipeError(problem)
+        self.storage = open_run_store(self.config, self.store)
+        self.limiter = RateLimiter.for_run(self.config, self.run_dir / RATE_LIMIT_FILE, create=False)
+        self._lock = threading.Lock()
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Publish ``model`` as policy ``version`` (collectors pick it up before their next prompt)."""
+        self._weights.publish(model, version=version, learner_step=version)
+
+    def report(self, **fields: Any) -> None:
+        """Progress for the service's line, band and summary (``rbpipe.coordinator.LEARNER_FIELDS``)."""
+        call(self.coordinator, "report_learner", **fields)
+
+    def close(self) -> None:
+        try:
+            self._call("release", self.lease)
+        except Exception:  # noqa: BLE001 - the service is gone
+            pass
+        self._lease.release()
+        self.storage.close()
+
+
+def connect(target: str | Path, **kwargs: Any) -> CollectorClient:
+    """Attach a collector (your own loop) to a running service: ``with rbpipe.connect(RUN_DIR) as w: ...``."""
+    return CollectorClient(target, **kwargs)
+
+
+def connect_learner(target: str | Path, **kwargs: Any) -> LearnerClient:
+    """Attach the learner to a running service (see :func:`workers.learner.run_learner` for the loop)."""
+    return LearnerClient(target, **kwargs)

@@ -93,7 +93,12 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
                    help="local Hugging Face causal-LM directory (save_pretrained output with its tokenizer) that "
                         "collectors sample and the learner trains; never downloads; None: the built-in tiny Qwen2")
     g = p.add_argument_group("rollouts and learner")
-    g.add_argument("--steps", type=int, help="learner steps (default 300; with --resume: the saved run's)")
+    g.add_argument("--steps", type=int,
+                   help="learner steps: the cap of a run that stops at --target-reward (default 300), or exactly this "
+                        "many steps when --target-reward is not given (with --resume: the saved run's)")
+    g.add_argument("--target-reward", type=_target, metavar="R|none",
+                   help="stop once the mean reward of the last 10 learner steps is at least R (default 0.9 when "
+                        "--steps is not given; 'none' runs every step)")
     g.add_argument("--groups-per-step", type=int, default=8, help="whole groups per learner step")
     g.add_argument("--lr", type=float, default=1e-3, help="learning rate (0 = a control run that cannot learn)")
     g.add_argument("--temperature", type=float, default=1.0, help="collectors' sampling temperature")
@@ -132,6 +137,15 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on stdout (table and progress go to stderr)")
     return p
+
+
+def _target(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a reward (e.g. 0.9) or none, got {text!r}") from None
 
 
 def _add_worker(sub, kind: str) -> None:
@@ -258,28 +272,26 @@ def _check_run_options(given: set[str], resume: bool) -> None:
                               f"--rollout-is or drop {_flag(dest)}")
 
 
-def _run(args, given: set[str]) -> int:
-    serving = args.command == "serve"
-    if not args.no_progress:  # importing torch and spawning the workers takes seconds before the progress line
-        print(f"rbpipe {args.command}: starting " + ("the service" if serving else "processes"), file=sys.stderr,
-              flush=True)
+def run_config(args, given: set[str]):
+    """The :class:`~rbpipe.config.RunConfig` of ``rbpipe run``/``serve`` arguments (``given``: the options on the
+    command line, see :func:`explicit_options`)."""
     from rbpipe.config import RunConfig
-    from rbpipe.endpoint import parse_listen
-    from workers.launcher import launch, serve
 
-    _check_run_options(given, args.resume is not None)
     loss = {"loss": args.loss, "loss_agg_mode": args.loss_agg_mode, "kl_type": args.kl_type,
             "kl_coef": args.kl_coef, "rollout_is": args.rollout_is, "rollout_is_mode": args.rollout_is_mode}
     if args.rollout_is_threshold:
         loss["rollout_is_threshold"] = tuple(args.rollout_is_threshold)
     if args.rollout_is_veto:
         loss["rollout_is_veto"] = tuple(args.rollout_is_veto)
-    cfg = RunConfig(
+    return RunConfig(
         collectors=args.collectors, backend=args.backend, grpo_size=args.grpo_size,
         trajectory_return=None if args.trajectory_return == "none" else args.trajectory_return,
         keep_return_bounds=tuple(args.keep_return_bounds) if args.keep_return_bounds else None,
         candidate_group_size=args.candidate_group_size, selector=args.selector,
         steps=args.steps if args.steps is not None else RunConfig.steps,
+        # --steps alone runs that many steps; without it the run stops at the target (300 steps at most)
+        target_reward=(args.target_reward if "target_reward" in given
+                       else None if args.steps is not None else RunConfig.target_reward),
         groups_per_step=args.groups_per_step, lr=args.lr, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         max_lead_groups=args.max_lead_groups, samples_per_insert=args.samples_per_insert,
@@ -287,6 +299,18 @@ def _run(args, given: set[str]) -> int:
         micro_batches=args.micro_batches, seed=args.seed, loss=loss, logger=args.logger,
         **({"task": args.task} if args.task is not None else {}),
         model=str(args.model) if args.model is not None else None)
+
+
+def _run(args, given: set[str]) -> int:
+    serving = args.command == "serve"
+    if not args.no_progress:  # importing torch and spawning the workers takes seconds before the progress line
+        print(f"rbpipe {args.command}: starting " + ("the service" if serving else "processes"), file=sys.stderr,
+              flush=True)
+    from rbpipe.endpoint import parse_listen
+    from workers.launcher import launch, serve
+
+    _check_run_options(given, args.resume is not None)
+    cfg = run_config(args, given)
     cfg.loss_config()  # validate before any process starts
     with _stdout_for_json(args.json) as out:
         log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print

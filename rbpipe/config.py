@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ class RunConfig:
     samples_per_insert: float = 1.0  # rate limiter (rbpipe.rate_limit): groups resolved per group inserted
     min_groups_to_sample: int | None = None  # rate limiter's minimum size to sample; default groups_per_step
     checkpoint_every: int = 10
-    target_reward: float | None = None  # stop early once the last 10 steps average at least this
+    target_reward: float | None = 0.9  # stop once the last 10 steps average at least this (None: run all steps)
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig keyword arguments
     logger: str = "csv"  # torchrl logger of the per-step metrics: csv | tensorboard | wandb | mlflow
     # supervision
@@ -79,6 +80,8 @@ class RunConfig:
         from rbpipe.metrics_log import check_logger
 
         check_logger(self.logger)
+        if self.target_reward is not None and not math.isfinite(self.target_reward):
+            raise ConfigError(f"--target-reward must be a number (or none), got {self.target_reward}")
         if self.lr < 0:
             raise ConfigError(f"--lr must be >= 0, got {self.lr}")
         if self.temperature <= 0:

@@ -122,6 +122,7 @@ class CollectorClient(_Attached):
                                          staging_dir=self.store / "staging", name=REGISTRY_NAME,
                                          **cfg.grouping_kwargs())
         self._wanted_id = collector_id
+        self._unreported_ns = {"generate_ns": 0, "handover_ns": 0}  # sent with the next count
         self._join()
         self._model = None
 
@@ -146,12 +147,20 @@ class CollectorClient(_Attached):
 
         Raises :class:`~rbpipe.errors.BadTrajectoryError` (one line; nothing of it was handed over) on bad
         input; it is counted as rejected."""
-        self._call("count", 1)
+        pending, self._unreported_ns = self._unreported_ns, {"generate_ns": 0, "handover_ns": 0}
+        self._call("count", 1, 0, pending["generate_ns"], pending["handover_ns"])
+        start = time.perf_counter_ns()
         try:
             self.buffer.extend(trajectory)
         except BadTrajectoryError:
             self._call("count", 0, 1)
             raise
+        finally:
+            self._unreported_ns["handover_ns"] += time.perf_counter_ns() - start
+
+    def add_generate_time(self, ns: int) -> None:
+        """Time spent generating (reported with the next hand-over; the service sums it for the summary)."""
+        self._unreported_ns["generate_ns"] += int(ns)
 
     def skip(self, prompt: int, n: int = 1) -> None:
         """``n`` samples of the current unit of ``prompt`` that will not be handed over (rejected)."""
@@ -214,6 +223,10 @@ class LearnerClient(_Attached):
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Publish ``model`` as policy ``version`` (collectors pick it up before their next prompt)."""
         self._weights.publish(model, version=version, learner_step=version)
+
+    def collectors_timing(self) -> dict[str, float]:
+        """Collectors' seconds so far (all together): generating, handing over, blocked by the rate limit."""
+        return self._call("timing")
 
     def report(self, **fields: Any) -> None:
         """Progress for the service's line, band and summary (``rbpipe.coordinator.LEARNER_FIELDS``)."""

@@ -81,7 +81,7 @@ class Coordinator:
         self._released: set[str] = set()
         self._learner_lease: str | None = None
         self._counts = {"produced": 0, "rejected": 0, "units": 0, "reissued_samples": 0, "lost_leases": 0,
-                        "insert_blocked_ns": 0}
+                        "insert_blocked_ns": 0, "generate_ns": 0, "handover_ns": 0}
         self._totals = {"produced": 0, "rejected": 0, "dropped_groups": 0}  # earlier sessions of this run
         self._blocked_since: dict[str, int] = {}
         self._learner: dict[str, Any] = {name: 0 for name in LEARNER_FIELDS}
@@ -268,10 +268,21 @@ class Coordinator:
         return dict(self._learner)
 
     # -- counters and progress ---------------------------------------------------------------------------------
-    def count(self, produced: int = 0, rejected: int = 0) -> None:
+    def count(self, produced: int = 0, rejected: int = 0, generate_ns: int = 0, handover_ns: int = 0) -> None:
+        """Collectors' counts and where their time went (generating; handing over to the buffer)."""
         with self._lock:
             self._counts["produced"] += int(produced)
             self._counts["rejected"] += int(rejected)
+            self._counts["generate_ns"] += int(generate_ns)
+            self._counts["handover_ns"] += int(handover_ns)
+
+    def timing(self) -> dict:
+        """Collectors' seconds so far, all collectors together: generating, handing over, blocked by the band."""
+        with self._lock:
+            blocked = self._counts["insert_blocked_ns"] + sum(time.monotonic_ns() - t
+                                                              for t in self._blocked_since.values())
+            return {"generate_s": self._counts["generate_ns"] / 1e9, "handover_s": self._counts["handover_ns"] / 1e9,
+                    "rate_limited_s": blocked / 1e9}
 
     def status(self) -> dict:
         """Everything a progress line, a stall report or a summary needs, in one call."""

@@ -54,6 +54,28 @@ def first_last_fraction(values: list[float], fraction: float = 0.2) -> tuple[flo
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
+#: per-step timing fields summed (or averaged) over a run in ``summary.json``'s ``timing``
+SUMMED_TIMING = ("learner/data_wait_s", "learner/train_s", "learner/publish_s", "learner/collectors_rate_limited_s",
+                 "collectors/generate_s", "collectors/handover_s")
+
+
+def timing_summary(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Where the run's time went: the learner's seconds waiting for data, training and publishing, its mean
+    busy fraction and policy lag, and the collectors' seconds generating, handing over and rate limited."""
+    out: dict[str, float | None] = {}
+    for key in SUMMED_TIMING:
+        values = [r[key] for r in records if key in r]
+        out[key.replace("/", "_")] = round(sum(values), 3) if values else None
+    for key in ("learner/busy_fraction", "learner/policy_lag"):
+        values = [r[key] for r in records if key in r]
+        out[key.replace("/", "_") + "_mean"] = round(sum(values) / len(values), 4) if values else None
+    return out
+
+
+def last_mean(values: list[float], n: int = 10) -> float | None:
+    return sum(values[-n:]) / len(values[-n:]) if values else None
+
+
 def plot_rewards(records: list[dict[str, Any]], out: Path, title: str = "rbpipe run") -> Path | None:
     if not records:
         return None
@@ -122,6 +144,10 @@ def summary_table(summary: dict[str, Any]) -> str:
         ("stale trajectories skipped", summary.get("stale_trajectories")),
         ("mean reward, first 20% of steps", _fmt(summary.get("reward_first20"))),
         ("mean reward, last 20% of steps", _fmt(summary.get("reward_last20"))),
+        ("mean reward, last 10 steps", _fmt(summary.get("reward_last10"))),
+        ("target reward reached", "-" if summary.get("target_reward") is None
+         else f"{summary.get('reached_target')} (target {summary.get('target_reward')})"),
+        ("learner busy (mean fraction)", _fmt((summary.get("timing") or {}).get("learner_busy_fraction_mean"))),
         ("collector restarts", summary.get("restarts")),
         ("duration", f"{summary.get('duration_s', 0):.1f} s"),
         ("store", summary.get("store")),

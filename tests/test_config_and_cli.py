@@ -65,3 +65,18 @@ def test_inspect_of_a_path_that_is_not_a_store_is_a_clear_error(tmp_path, capsys
     assert main(["inspect", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert "store" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, target, steps", [
+    ([], 0.9, 300),  # the default run stops once the task is learned, 300 steps at most
+    (["--steps", "40"], None, 40),  # --steps alone: exactly that many steps
+    (["--steps", "40", "--target-reward", "0.8"], 0.8, 40),
+    (["--target-reward", "none"], None, 300),
+])
+def test_the_default_run_stops_at_the_target_and_steps_alone_runs_them_all(argv, target, steps):
+    from rbpipe.cli import build_parser, explicit_options, run_config
+
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    cfg = run_config(args, explicit_options(parser.run_parser, argv))
+    assert (cfg.target_reward, cfg.steps) == (target, steps)

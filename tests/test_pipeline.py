@@ -39,6 +39,31 @@ def test_summary_has_the_contract_fields_and_conservation_holds(short_run):
     assert summary["conservation_ok"] is True
     assert summary["written"] == summary["groups_written"] * 4
     assert (short_run / "reward.png").stat().st_size > 1000
+    # --steps alone runs every step: no target
+    assert summary["target_reward"] is None and summary["reached_target"] is False
+    records = [json.loads(line) for line in (short_run / "metrics.jsonl").read_text().splitlines()]
+    assert summary["reward_last10"] == pytest.approx(sum(r["reward_mean"] for r in records[-10:]) / len(records[-10:]))
+    # where the time went, per step and for the run
+    for r in records:
+        for key in ("learner/data_wait_s", "learner/train_s", "learner/publish_s", "learner/busy_fraction",
+                    "learner/policy_lag", "collectors/generate_s", "collectors/handover_s",
+                    "learner/collectors_rate_limited_s"):
+            assert r[key] >= 0, key
+    timing = summary["timing"]
+    assert timing["learner_train_s"] == pytest.approx(sum(r["learner/train_s"] for r in records), abs=1e-2)
+    assert timing["collectors_generate_s"] > 0 and 0 < timing["learner_busy_fraction_mean"] <= 1
+
+
+@pytest.mark.timeout(300)
+def test_a_run_stops_once_the_target_reward_is_reached_and_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_cli(RUN + ["--run-dir", str(run_dir), "--steps", "200", "--target-reward", "0.01", "--grpo-size", "4",
+                         "--groups-per-step", "2", "--collectors", "1"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reached_target"] is True and summary["reward_last10"] >= 0.01
+    assert 10 <= summary["learner_steps"] < 200
+    assert "the task is learned" in out.stdout
 
 
 @pytest.mark.timeout(300)

@@ -47,8 +47,10 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
                 version = client.load_weights(policy)
             index = unit["prompt"]
             prompt = task_obj.prompt(index)
+            started = time.perf_counter_ns()
             tokens, log_probs = sample_responses(policy, prompt, unit["samples"], max_new_tokens=cfg.max_new_tokens,
                                                  temperature=cfg.temperature, generator=gen)
+            client.add_generate_time(time.perf_counter_ns() - started)
             for response, lp in zip(tokens, log_probs):
                 traj = make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
                                        reward=float(task_obj.reward(prompt, response)),

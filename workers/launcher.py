@@ -26,7 +26,8 @@ from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
 from rbpipe.progress import LEARNER_READY, STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
 from rbpipe.procs import quiet_killed_worker_trackers, quiet_spawn_context, same_process_alive, start_time
-from rbpipe.report import PLOT, SUMMARY, MetricsTail, first_last_fraction, plot_rewards, read_metrics, summary_table
+from rbpipe.report import (PLOT, SUMMARY, MetricsTail, first_last_fraction, last_mean, plot_rewards, read_metrics,
+                           summary_table, timing_summary)
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
@@ -298,6 +299,11 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         lock.release()
     summary = _summarize(cfg, run_dir, store, storage, final, workers, t0, status, session_start)
     log(summary_table(summary))
+    if status == "done" and cfg.target_reward is not None:
+        log(f"the task is learned: mean reward {summary['reward_last10']:.3f} over the last 10 steps >= "
+            f"{cfg.target_reward} at step {summary['learner_steps']}" if summary["reached_target"] else
+            f"stopped at the step cap ({cfg.steps}) before the target: mean reward {summary['reward_last10'] or 0:.3f} "
+            f"over the last 10 steps < {cfg.target_reward}")
     if status == "interrupted":
         log(f"run interrupted; {resume_hint(run_dir)}")
     return summary
@@ -445,7 +451,9 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
     start = start or {"produced": 0, "rejected": 0, "rows": 0, "requeued": 0, "torn": 0}
     stats = final.get("grouping", {})
     records = read_metrics(run_dir / METRICS)
-    first, last = first_last_fraction([r["reward_mean"] for r in records])
+    rewards = [r["reward_mean"] for r in records]
+    first, last = first_last_fraction(rewards)
+    last10 = last_mean(rewards)
     plot = plot_rewards(records, run_dir / PLOT, title=f"rbpipe run ({cfg.loss.get('loss', 'grpo')}, lr={cfg.lr})")
     written = len(storage)
     groups_dropped = int(stats.get("dropped_groups", 0))
@@ -472,7 +480,10 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
         "groups_written": written // cfg.grpo_size, "groups_dropped": groups_dropped,
         "grpo_size": cfg.grpo_size,
         "learner_steps": records[-1]["step"] if records else 0,
-        "reward_first20": first, "reward_last20": last,
+        "reward_first20": first, "reward_last20": last, "reward_last10": last10,
+        "target_reward": cfg.target_reward,
+        "reached_target": cfg.target_reward is not None and len(rewards) >= 10 and last10 >= cfg.target_reward,
+        "timing": timing_summary(records),
         "stale_trajectories": int(final.get("learner", {}).get("stale_trajectories", 0)),
         "restarts": sum(w.restarts for w in workers[1:]),
         "worker_exits": {w.name: w.exits for w in workers if w.exits},

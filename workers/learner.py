@@ -93,7 +93,7 @@ def _train(client: LearnerClient) -> None:
                                   **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})})
         saved = step
 
-    blocked_mark = limiter.insert_blocked_s()
+    collectors_mark = client.collectors_timing()
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
     with MetricsSink(run_dir, cfg.logger, start_step=step) as sink:
         while step < cfg.steps and not client.stop_requested():
@@ -107,28 +107,34 @@ def _train(client: LearnerClient) -> None:
             busy_start = time.perf_counter()
             batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
             metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
-            now = time.perf_counter()
-            busy_fraction = (now - busy_start) / max(now - last_end, 1e-9)
-            last_end = now
+            trained_at = time.perf_counter()
             lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
             step += 1
             sampler.consumer_version = step
             client.publish(model, step)
             client.report(step=step)
             _publish_progress(client, sampler)
+            now = time.perf_counter()
+            busy_fraction = (trained_at - busy_start) / max(now - last_end, 1e-9)
+            last_end = now
             reward = rows.get(REWARD_KEY).float()
             trained = _group_fingerprints(rows)
-            blocked_now = limiter.insert_blocked_s()
+            collectors_now = client.collectors_timing()
+            spent = {k: collectors_now[k] - collectors_mark[k] for k in collectors_now}
+            collectors_mark = collectors_now
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
                       "groups_consumed": sampler.consumed_groups, "trained_groups": trained, "stale_groups": sampler.stale_groups,
                       "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
                       "learner/policy_lag_max": float(lag.max()),
                       "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups
-                      # collectors' time blocked on the rate limit since the last step (all collectors together)
-                      "learner/collectors_rate_limited_s": blocked_now - blocked_mark,
+                      "learner/train_s": trained_at - busy_start,  # loss batch, loss, backward, optimizer
+                      "learner/publish_s": now - trained_at,  # weights and progress to the service
+                      # collectors' seconds since the last step (all collectors together): blocked on the rate
+                      # limit, generating, handing trajectories over to the shared buffer
+                      "learner/collectors_rate_limited_s": spent["rate_limited_s"],
+                      "collectors/generate_s": spent["generate_s"], "collectors/handover_s": spent["handover_s"],
                       **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
-            blocked_mark = blocked_now
             sink.log(record)
             recent = (recent + [record["reward_mean"]])[-10:]
             reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward

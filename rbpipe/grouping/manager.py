@@ -164,7 +164,7 @@ def _get_coordinator(name: str, settings: dict | None = None):
 
 #: the service coordinator's remote methods (rbpipe.coordinator.Coordinator.exposed is this tuple)
 COORDINATOR_EXPOSED = ("take", "skip", "count", "join", "release", "claim_learner", "report_learner", "learner",
-                       "status", "endpoint", "set_endpoint", "request_stop", "stop_requested")
+                       "status", "endpoint", "set_endpoint", "request_stop", "stop_requested", "timing")
 CoordinatorProxy = MakeProxyType("CoordinatorProxy", COORDINATOR_EXPOSED)
 CoordinatorProxy.__module__ = __name__
 GroupingManager.register("get_coordinator", callable=_get_coordinator, proxytype=CoordinatorProxy,

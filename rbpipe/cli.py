@@ -102,7 +102,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--groups-per-step", type=int, default=8, help="whole groups per learner step")
     g.add_argument("--lr", type=float, default=1e-3, help="learning rate (0 = a control run that cannot learn)")
     g.add_argument("--temperature", type=float, default=1.0, help="collectors' sampling temperature")
-    g.add_argument("--max-new-tokens", type=int, default=3,
+    g.add_argument("--max-new-tokens", type=int, default=1,
                    help="response length: the generation budget, also the constant seq-mean-token-sum-norm divides by")
     g.add_argument("--max-policy-lag", type=int, default=4,
                    help="skip groups sampled by a policy more than this many versions old")

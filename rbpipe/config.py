@@ -28,7 +28,7 @@ class RunConfig:
     # task and rollouts
     task: str = DEFAULT_TASK  # task spec (rbpipe.task_spec): every process builds the task from this string
     model: str | None = None  # local Hugging Face model directory; None = the built-in tiny Qwen2 (``policy``)
-    max_new_tokens: int = 3
+    max_new_tokens: int = 1  # the task pays for the first token: longer responses only add gradient noise
     temperature: float = 1.0
     seed: int = 0
     # learner

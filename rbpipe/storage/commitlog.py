@@ -8,15 +8,15 @@ at any point leaves either a whole group or nothing visible. Records get consecu
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import orjson
+
+from rbpipe.fsutil import file_lock
 
 
 def _dumps(record: dict) -> bytes:
@@ -100,13 +100,9 @@ class CommitLog:
         self._offset += end
         return out
 
-    @contextmanager
     def locked(self):
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """The commit-log lock (an exclusive ``flock`` on the log's own descriptor)."""
+        return file_lock(self._fd)
 
     def append(self, make: Callable[[int], dict | None], apply: Callable[[list[dict]], Any]) -> dict | None:
         """Under the lock: catch up (``apply`` the new records), build the record for the next sequence

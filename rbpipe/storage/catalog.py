@@ -176,7 +176,7 @@ def inspect_store(path: str | os.PathLike, *, where: str | None = None, group=No
     """
     path = Path(path)
     meta = read_meta(path)
-    groups, evicted_upto, tail = scan(path)
+    groups, evicted_upto, tail, _ = scan(path)
     table = _catalog_table(groups, evicted_upto)
     live = table.filter(table.column("live"))
     if where:

@@ -61,11 +61,12 @@ def decode(line: bytes) -> dict | None:
 class CommitLog:
     """Incremental reader and locked appender of ``commits.jsonl``."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, read_only: bool = False):
         self.path = Path(path)
-        self.read_only = False
+        self.read_only = read_only
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = (os.open(self.path, os.O_RDONLY) if read_only else
+                        os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644))
         except OSError as err:  # a read-only store (file system or permissions) is still readable
             if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not self.path.exists():
                 raise

@@ -61,14 +61,19 @@ class Replay(NamedTuple):
     groups: dict[int, dict]  # seq -> group record (moves applied), evicted ones included, commit order
     evicted_upto: int  # groups with seq <= this are evicted
     tail: dict  # :func:`tail_report`
+    schema: list | None = None  # the schema record's columns (JSON, as written), None before the first group
 
     def live(self) -> list[dict]:
         return [r for s, r in self.groups.items() if s > self.evicted_upto]
 
 
 def scan(path: str | Path) -> Replay:
-    """Every group record of the store at ``path`` (moves applied), its eviction mark and tail report."""
-    log = CommitLog(Path(path) / COMMIT_LOG)
+    """Every group record of the store at ``path`` (moves applied), its eviction mark, tail report and
+    schema. Opens the log read-only (a store without one has committed nothing)."""
+    try:
+        log = CommitLog(Path(path) / COMMIT_LOG, read_only=True)
+    except FileNotFoundError:
+        return Replay({}, -1, {"torn_commit_lines": 0, "unterminated_commit_bytes": 0})
     try:
         recs = log.read_new()
         tail = tail_report(log)
@@ -76,9 +81,12 @@ def scan(path: str | Path) -> Replay:
         log.close()
     evicted_upto = -1
     groups: dict[int, dict] = {}
+    schema = None
     for r in recs:
         kind = r.get("t")
-        if kind == "group":
+        if kind == "schema" and schema is None:
+            schema = r["schema"]
+        elif kind == "group":
             groups[r["seq"]] = r
         elif kind == "evict":
             evicted_upto = max(evicted_upto, r["upto"])
@@ -86,7 +94,7 @@ def scan(path: str | Path) -> Replay:
             for seq, loc in r["groups"]:
                 if seq in groups:
                     groups[seq] = dict(groups[seq], loc=loc)
-    return Replay(groups, evicted_upto, tail)
+    return Replay(groups, evicted_upto, tail, schema)
 
 
 class Ledger:

@@ -292,7 +292,7 @@ class ZarrBackend(Backend):
                 state["values"][name] = min(vcap, start + _round_up(max(1, RESERVE_GROUPS * size), chunk))
                 block["values"][name] = [start, state["values"][name]]
             # no fsync: a lost sidecar is rebuilt from the chunk files on disk (_alloc_state)
-            atomic_write(path, json.dumps(state), fsync=False)
+            atomic_write(path, json.dumps(state), fsync=False, tmp_name=f".{ALLOC_FILE}.{os.getpid()}")
             return block
 
     def _alloc_state(self, path: Path) -> dict:

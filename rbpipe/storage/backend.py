@@ -21,6 +21,7 @@ Columns, as ``layout.py`` defines them: a fixed column is one ``[rows, *shape]``
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import uuid
@@ -29,11 +30,22 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from rbpipe.errors import StoreError
 from rbpipe.storage.ledger import LedgerEvents
 
 if TYPE_CHECKING:
     from rbpipe.storage.layout import GroupColumns
     from rbpipe.storage.ledger import Ledger
+
+
+def write_error(store: Path, err: OSError) -> StoreError:
+    """A failed write of a group in plain words; what was half-written is unreachable (no commit line)."""
+    why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+           errno.EROFS: "the store is on a read-only file system",
+           errno.EACCES: "permission denied"}.get(err.errno, str(err))
+    return StoreError(f"could not write a group to the store {store}: {why}. Nothing of this group was "
+                      "committed and the groups already stored are intact; free space / make the store "
+                      "writable, then retry (or write to another --store)")
 
 
 def writer_id() -> str:

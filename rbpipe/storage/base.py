@@ -11,7 +11,6 @@ numbered by *position* among the live groups in commit order (see ``ledger.Ledge
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -24,7 +23,7 @@ from torchrl.data.replay_buffers.storages import Storage
 from rbpipe.errors import SchemaError, StaleReadError, StoreError
 from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
                            VERSION_KEY)
-from rbpipe.storage.backend import Backend
+from rbpipe.storage.backend import Backend, write_error
 from rbpipe.storage.collate import register_default_collate
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict
 from rbpipe.storage.format import FORMAT_VERSION, create_or_open
@@ -91,26 +90,12 @@ class GroupStorage(Storage):
         self._refresh()
         self.torn_tail = self.check_tail()
 
-    # -- the ledger's state (also what tests and retention.disk_bound read) ---------------------------------
-    @property
-    def _log(self):
-        return self._ledger.log
-
-    @property
-    def _apply(self):
-        return self._ledger.apply
-
-    @property
-    def _groups(self):
-        return self._ledger.groups
-
-    @property
-    def _live_bytes(self) -> int:
-        return self._ledger.live_bytes
-
-    @property
-    def _schema(self) -> Schema | None:
-        return self._ledger.schema
+    # -- the ledger's state, under the names tests and retention.disk_bound read -------------------------
+    _log = property(lambda self: self._ledger.log)
+    _apply = property(lambda self: self._ledger.apply)
+    _groups = property(lambda self: self._ledger.groups)
+    _live_bytes = property(lambda self: self._ledger.live_bytes)
+    _schema = property(lambda self: self._ledger.schema)
 
     def _refresh(self) -> None:
         self._ledger.refresh()
@@ -118,15 +103,6 @@ class GroupStorage(Storage):
     def _index(self) -> tuple[np.ndarray, ...]:
         """Arrays over live groups in commit order: seq, first row, stop row, block id, local row start."""
         return self._ledger.index.arrays()
-
-    def _write_error(self, err: OSError) -> StoreError:
-        """A failed write in plain words; what was half-written is unreachable (no commit line)."""
-        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
-               errno.EROFS: "the store is on a read-only file system",
-               errno.EACCES: "permission denied"}.get(err.errno, str(err))
-        return StoreError(f"could not write a group to the store {self.path}: {why}. Nothing of this group was "
-                          "committed and the groups already stored are intact; free space / make the store "
-                          "writable, then retry (or write to another --store)")
 
     def committed_member_ids(self) -> set[str]:
         """Every ``member_ids`` entry ever committed (evicted groups included): lets a recovering writer
@@ -184,7 +160,7 @@ class GroupStorage(Storage):
         try:
             loc, nbytes = self._backend.write_group(cols)
         except OSError as err:
-            raise self._write_error(err) from err
+            raise write_error(self.path, err) from err
         gid = None
         if self.group_key in cols.fixed and cols.fixed[self.group_key].size:
             gid = cols.fixed[self.group_key].reshape(-1)[0].item()
@@ -194,7 +170,7 @@ class GroupStorage(Storage):
         try:
             rec = ledger.commit_group(record, commit_id, member_ids)
         except OSError as err:
-            raise self._write_error(err) from err
+            raise write_error(self.path, err) from err
         if rec is None:
             return torch.zeros(0, dtype=torch.int64)
         self._retain()

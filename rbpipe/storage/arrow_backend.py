@@ -143,6 +143,7 @@ class ArrowBackend(Backend):
         self._evictions = 0
 
     def on_schema(self, schema: Schema) -> None:
+        super().on_schema(schema)
         self._pschema = arrow_schema(schema)
 
     # -- writing ------------------------------------------------------------------------------------------

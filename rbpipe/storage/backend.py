@@ -72,11 +72,10 @@ class Backend(LedgerEvents):
 
     def __init__(self, path: Path, ledger: Ledger, *, evicts: bool) -> None:
         self.path, self.ledger, self.evicts = path, ledger, evicts
+        self.schema: Any = ledger.schema  # the store's ``layout.Schema`` (None until the first group)
 
-    @property
-    def schema(self) -> Any:
-        """The store's ``layout.Schema`` (None until the first group)."""
-        return self.ledger.schema
+    def on_schema(self, schema: Any) -> None:
+        self.schema = schema  # kept here: every gather reads it
 
     # -- writing ------------------------------------------------------------------------------------------
     def write_group(self, cols: GroupColumns) -> tuple[dict, int]:

@@ -34,6 +34,7 @@ from rbpipe.errors import BadTrajectoryError, ConfigError, StoreError
 from rbpipe.grouping import SharedMCAdvantage, bridged_reduce, connect_manager, start_manager
 from rbpipe.grouping.bridge import spawning
 from rbpipe.schema import GROUP_KEY
+from rbpipe.storage.protocol import is_group_store
 
 __all__ = ["GroupReplayBuffer", "GroupWriteError", "make_replay_buffer", "allocate_storage", "start_manager",
            "connect_manager"]
@@ -112,7 +113,7 @@ class GroupReplayBuffer(ReplayBuffer):
         there. Until the registry gives the range to the next group of that size, they are inside
         ``len(storage)`` as zeros (zero advantage); the quarantine record keeps the range."""
         storage = self._storage
-        if claim.rows is None or hasattr(storage, "append_group") or not getattr(storage, "initialized", False):
+        if claim.rows is None or is_group_store(storage) or not getattr(storage, "initialized", False):
             return
         end = min(claim.rows + sum(int(shape[0]) for *_, shape in claim.advantages), storage.max_size)
         if end > claim.rows:
@@ -122,7 +123,7 @@ class GroupReplayBuffer(ReplayBuffer):
     def _fit_check(self):
         """For a torchrl tensor storage already allocated: a per-trajectory check against its layout."""
         storage = self._storage
-        if hasattr(storage, "append_group") or not getattr(storage, "initialized", False):
+        if is_group_store(storage) or not getattr(storage, "initialized", False):
             return None
         layout = getattr(self, "_layout", None)
         if layout is None:
@@ -134,7 +135,7 @@ class GroupReplayBuffer(ReplayBuffer):
 
     def requeue_staged(self) -> tuple[int, int]:
         """Queue again what a previous session left staged, writing any group it completes: ``(requeued, torn)``."""
-        committed = self._storage.committed_member_ids() if hasattr(self._storage, "committed_member_ids") else set()
+        committed = self._storage.committed_member_ids() if is_group_store(self._storage) else set()
         claims, requeued, torn = self.grouping_transform.requeue_staged(skip=committed)
         for claim in claims:
             claim.recovered = True  # a previous session's group: quarantined with a warning if it fails
@@ -154,13 +155,14 @@ class GroupReplayBuffer(ReplayBuffer):
     def _write_claim(self, claim, confirm: bool = True) -> torch.Tensor:
         transform = self.grouping_transform
         storage = self._storage
-        group = transform.group_of(claim, jagged=hasattr(storage, "append_group"))
-        if hasattr(storage, "append_group"):
-            if _takes_commit_id(storage):  # idempotent: a recovered claim already committed is not rewritten
+        if is_group_store(storage):
+            group = transform.group_of(claim, jagged=storage.accepts_jagged)
+            if storage.idempotent_commits:  # a recovered claim already committed is not rewritten
                 index = storage.append_group(group, commit_id=claim.claim_id, member_ids=claim.handles)
             else:
                 index = storage.append_group(group)
         else:
+            group = transform.group_of(claim)
             if claim.rows is None:
                 raise ConfigError("this storage has no append_group: build the buffer with make_replay_buffer "
                                   "so the grouping reserves row ranges for it")
@@ -200,15 +202,6 @@ def _check_fits(traj, layout: dict) -> None:
                                  "a torchrl tensor storage keeps one layout): " + "; ".join(problems[:4]))
 
 
-def _takes_commit_id(storage) -> bool:
-    import inspect
-
-    try:
-        return "commit_id" in inspect.signature(storage.append_group).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _identity(x):
     return x
 
@@ -242,17 +235,18 @@ def make_replay_buffer(storage, *, grouping: str = "rbpipe", grpo_size: int, man
     for key in ("candidate_group_size", "candidate_selection_min_size", "candidate_selector"):
         if mcadvantage_kwargs.get(key, 0) is None:
             mcadvantage_kwargs.pop(key)
-    if writer is None and hasattr(storage, "append_group"):
+    group_store = is_group_store(storage)
+    if writer is None and group_store:
         from rbpipe.storage import GroupWriter
 
         writer = GroupWriter()
-    if collate_fn is None and hasattr(storage, "append_group"):
+    if collate_fn is None and group_store:
         collate_fn = _identity  # group storages return ready TensorDicts
     extra = {k: v for k, v in dict(sampler=sampler, batch_size=batch_size, writer=writer,
                                    collate_fn=collate_fn).items() if v is not None}
     if grouping == "rbpipe":
         transform = SharedMCAdvantage(grpo_size, manager=manager, staging_dir=staging_dir,
-                                      reserve_rows=not hasattr(storage, "append_group"), **mcadvantage_kwargs)
+                                      reserve_rows=not group_store, **mcadvantage_kwargs)
     elif grouping == "torchrl":
         mcadvantage_kwargs.pop("required_keys", None)
         transform = MCAdvantage(grpo_size, **mcadvantage_kwargs)

@@ -37,32 +37,12 @@ def sql_name(column: str) -> str:
 
 def _read_log(store: Path) -> tuple[list[dict], list[dict], int]:
     """(schema columns, live group records in commit order with their current loc, evicted-up-to seq)."""
-    from rbpipe.storage.commitlog import decode  # torch-free
+    from rbpipe.storage.ledger import scan  # torch-free
 
-    try:
-        data = (store / "commits.jsonl").read_bytes()
-    except FileNotFoundError:
-        raise StoreError(f"{str(store)!r} has no commits.jsonl: it is not a readable rbpipe store") from None
-    schema: list[dict] = []
-    groups: dict[int, dict] = {}
-    evicted = -1
-    for line in data[: data.rfind(b"\n") + 1].split(b"\n")[:-1]:
-        rec = decode(line)
-        if rec is None:
-            continue
-        kind = rec.get("t")
-        if kind == "schema" and not schema:
-            schema = rec["schema"]
-        elif kind == "group":
-            groups[rec["seq"]] = rec
-        elif kind == "evict":
-            evicted = max(evicted, rec["upto"])
-        elif kind == "move":
-            for seq, loc in rec["groups"]:
-                if int(seq) in groups:
-                    groups[int(seq)] = dict(groups[int(seq)], loc=loc)
-    live = [r for s, r in sorted(groups.items()) if s > evicted]
-    return schema, live, evicted
+    if not (store / "commits.jsonl").is_file():
+        raise StoreError(f"{str(store)!r} has no commits.jsonl: it is not a readable rbpipe store")
+    replay = scan(store)
+    return replay.schema or [], replay.live(), replay.evicted_upto
 
 
 def _wanted(schema: list[dict]) -> list[dict]:

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
 from rbpipe.errors import BadTrajectoryError, ConfigError
@@ -37,7 +37,7 @@ from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, enc
 from rbpipe.grouping.staging import (HANDLE, PLAIN, Staging, decode_leaves, encode_td, remove_at_exit,
                                      td_from_leaves, temporary_staging_parent)
 from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
-from rbpipe.storage.layout import jagged_tensor
+from rbpipe.members import concat_leaves
 
 
 def selector_fields(selector: MCAdvantageSelector) -> tuple[tuple[str, ...], ...]:
@@ -575,17 +575,7 @@ class SharedMCAdvantage(MCAdvantage):
             if not same and not (may_be_jagged and len(shape0) == 2):
                 return
             kinds.append(not same)
-        n = sum(sizes)
-        group = TensorDict(batch_size=[n])
-        for i, ((key, dtype, shape0, _), jagged) in enumerate(zip(leaves0, kinds)):
-            column = [leaves[i] for _, leaves in payloads]
-            data = b"".join(raw for *_, raw in column)
-            if jagged:
-                offsets = torch.zeros(n + 1, dtype=torch.int64)
-                torch.cumsum(torch.tensor([shape[1] for _, _, shape, _ in column]), 0, out=offsets[1:])
-                group.set(key, jagged_tensor(decode_tensor(data, dtype, (int(offsets[-1]),)), offsets))
-            else:
-                group.set(key, decode_tensor(data, dtype, (n, *shape0[1:])))
+        group = concat_leaves(payloads, kinds, sum(sizes), decode_tensor)  # rbpipe.members: the column layout
         reward = group.get(self.rewards_key, None)
         if reward is None or reward.is_nested:
             return

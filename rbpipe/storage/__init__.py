@@ -9,7 +9,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from rbpipe.storage.collate import collate_identity
-from rbpipe.storage.format import FORMAT_VERSION, read_meta
+from rbpipe.storage.format import FORMAT_VERSION
+from rbpipe.storage.stores import backends, open_storage  # noqa: F401 - backends: public
 
 if TYPE_CHECKING:
     from rbpipe.storage.base import GroupStorage
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 _LAZY = {"ArrowStorage": "rbpipe.storage.arrow", "ZarrStorage": "rbpipe.storage.zarr_storage",
          "GroupStorage": "rbpipe.storage.base", "GroupWriter": "rbpipe.storage.writer",
          "WriterLock": "rbpipe.storage.lock", "read_catalog": "rbpipe.storage.catalog",
-         "inspect_store": "rbpipe.storage.catalog", "export_zarr": "rbpipe.storage.catalog"}
+         "inspect_store": "rbpipe.storage.catalog", "export_zarr": "rbpipe.storage.export"}
 
 
 def __getattr__(name: str) -> Any:
@@ -31,22 +32,6 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
-
-
-def backends() -> dict[str, type]:
-    """Backend name (as in ``rbpipe-store.json``) -> storage class."""
-    from rbpipe.storage.arrow import ArrowStorage
-    from rbpipe.storage.zarr_storage import ZarrStorage
-
-    return {"arrow": ArrowStorage, "zarr": ZarrStorage}
-
-
-def open_storage(path: str | os.PathLike, **kwargs) -> GroupStorage:
-    """Open an existing store of either backend (never creates one)."""
-    meta = read_meta(path)
-    opts = meta.get("options", {})
-    kwargs.setdefault("ragged_keys", [tuple(k) for k in opts.get("ragged_keys", [])])
-    return backends()[meta["backend"]](path, create=False, **kwargs)
 
 
 def group_buffer(storage: GroupStorage | str | os.PathLike, **kwargs):

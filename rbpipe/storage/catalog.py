@@ -1,8 +1,9 @@
 """The group catalogue: one parquet row per committed group under ``STORE/catalog/`` (DuckDB-readable).
 
-Catalogue files are written under a temporary name and renamed, so a glob never sees half a file.
-They may lag the commit log by a few groups (a writer batches them); :func:`read_catalog` completes them
-from the commit log, which is the source of truth, and marks evicted groups ``live = False``.
+Catalogue files are written under a temporary name and renamed (``fsutil.atomic_write``), so a glob never
+sees half a file. They may lag the commit log by a few groups (a writer batches them: :class:`CatalogBuffer`);
+:func:`read_catalog` completes them from the commit log (read through ``ledger.scan``), which is the source
+of truth, and marks evicted groups ``live = False``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rbpipe.errors import StoreError
-from rbpipe.storage.commitlog import CommitLog
-from rbpipe.storage.format import CATALOG_DIR, COMMIT_LOG, read_meta
+from rbpipe.fsutil import atomic_write
+from rbpipe.storage.format import CATALOG_DIR, read_meta
+from rbpipe.storage.ledger import scan
 
 LIST_COLUMNS = ("returns", "advantages", "collectors", "policy_versions", "lengths")
 
@@ -62,26 +64,57 @@ def write_catalog_rows(store: Path, records: list[dict], catalog_columns) -> Non
     table = _table([_row(r, names) for r in records], names)
     first, last = records[0]["seq"], records[-1]["seq"]
     final = Path(store) / CATALOG_DIR / f"{first:012d}-{last:012d}-{os.getpid()}.parquet"
-    tmp = final.with_name("." + final.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.rename(tmp, final)
+    # no fsync: the commit log is the source of truth, and repair_catalog rewrites what a crash lost
+    atomic_write(final, lambda tmp: pq.write_table(table, tmp), fsync=False,
+                 tmp_name="." + final.name + ".tmp")
 
 
-def _scan(path: Path):
-    log = CommitLog(path / COMMIT_LOG)
-    try:
-        recs = log.read_new()
-        tail = {"torn_commit_lines": log.torn_lines, "unterminated_commit_bytes": log.pending_bytes}
-    finally:
-        log.close()
-    evicted_upto = max((r["upto"] for r in recs if r.get("t") == "evict"), default=-1)
-    groups = {r["seq"]: r for r in recs if r.get("t") == "group"}
-    for r in recs:
-        if r.get("t") == "move":
-            for seq, loc in r["groups"]:
-                if seq in groups:
-                    groups[seq] = dict(groups[seq], loc=loc)
-    return groups, evicted_upto, tail
+def catalog_values(cols, schema, catalog_columns: dict) -> dict[str, list]:
+    """One group's catalogue values (``cols``: its ``layout.GroupColumns``): per member, the sum of a
+    column's elements ("value") or its first-dimension length ("length"), as strict-JSON numbers."""
+    out = {}
+    for name, (key, red) in catalog_columns.items():
+        if key in cols.fixed:
+            a = summable(cols.fixed[key], schema.by_key[key].dtype)
+            if red == "value":
+                wide = np.float64 if a.dtype.kind == "f" else None  # float16 sums overflow in float16
+                out[name] = a.reshape(cols.n, -1).sum(1, dtype=wide).tolist()
+            else:
+                shape = schema.by_key[key].shape
+                out[name] = [shape[0] if shape else 1] * cols.n
+        elif key in cols.ragged:
+            values, shapes = cols.ragged[key]
+            if red == "length":
+                out[name] = shapes[:, 0].tolist() if shapes.shape[1] else [1] * cols.n
+            else:
+                sizes = shapes.prod(1) if shapes.shape[1] else np.ones(len(shapes), np.int64)  # elements per row
+                flat = summable(values.reshape(-1), schema.by_key[key].dtype)
+                sizes = sizes * (flat.size // max(int(sizes.sum()), 1))
+                csum = np.concatenate([[0], np.cumsum(flat, dtype=np.float64 if flat.dtype.kind == "f"
+                                                      else np.int64)])
+                ends = np.cumsum(sizes)
+                out[name] = (csum[ends] - csum[ends - sizes]).tolist()
+    return {name: json_numbers(v) for name, v in out.items()}
+
+
+class CatalogBuffer:
+    """A writer's catalogue rows not yet in a Parquet file: flushed as one file per ``every`` groups, or
+    sooner once the oldest waited ``interval_s`` (few, large files, as a flush costs ~10 ms, without letting
+    a slow writer's catalogue fall far behind its commits)."""
+
+    def __init__(self, store: Path, columns: dict, every: int, interval_s: float) -> None:
+        self.store, self.columns, self.every, self.interval_s = store, columns, every, interval_s
+        self.pending: list[dict] = []
+
+    def add(self, rec: dict) -> None:
+        self.pending.append(rec)
+        if len(self.pending) >= self.every or rec["time"] - self.pending[0]["time"] >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            write_catalog_rows(self.store, self.pending, self.columns)
+            self.pending = []
 
 
 def read_catalog(path: str | os.PathLike) -> pa.Table:
@@ -89,8 +122,8 @@ def read_catalog(path: str | os.PathLike) -> pa.Table:
     is False for evicted groups."""
     path = Path(path)
     read_meta(path)
-    groups, evicted_upto, _ = _scan(path)
-    return _catalog_table(groups, evicted_upto)
+    replay = scan(path)
+    return _catalog_table(replay.groups, replay.evicted_upto)
 
 
 def _catalog_table(groups: dict[int, dict], evicted_upto: int) -> pa.Table:
@@ -143,7 +176,7 @@ def inspect_store(path: str | os.PathLike, *, where: str | None = None, group=No
     """
     path = Path(path)
     meta = read_meta(path)
-    groups, evicted_upto, tail = _scan(path)
+    groups, evicted_upto, tail, _ = scan(path)
     table = _catalog_table(groups, evicted_upto)
     live = table.filter(table.column("live"))
     if where:
@@ -159,23 +192,6 @@ def inspect_store(path: str | os.PathLike, *, where: str | None = None, group=No
             "groups": out}
 
 
-def export_zarr(store_path: str | os.PathLike, out_path: str | os.PathLike) -> int:
-    """Copy every live group of a store (either backend) into a new Zarr store; returns groups exported."""
-    from rbpipe.storage import open_storage
-    from rbpipe.storage.zarr_storage import ZarrStorage
-    src = open_storage(store_path)
-    spans = src.group_spans()
-    if not len(spans):
-        ZarrStorage(out_path)
-        return 0
-    dst = ZarrStorage(out_path, ragged_keys=[c.key for c in src.schema.columns if c.ragged],
-                      group_key=src.group_key, catalog_columns=src.catalog_columns)
-    for _, a, b in spans.tolist():
-        dst.append_group(src.get(slice(a, b)))
-    dst.close()
-    return len(spans)
-
-
 def repair_catalog(path: str | os.PathLike, *, drop_unreadable: bool = False) -> int:
     """Write catalogue rows for committed groups that no Parquet file holds yet; returns how many.
 
@@ -188,7 +204,7 @@ def repair_catalog(path: str | os.PathLike, *, drop_unreadable: bool = False) ->
     """
     path = Path(path)
     read_meta(path)
-    groups, _, _ = _scan(path)
+    groups = scan(path).groups
     covered: set[int] = set()
     for f in sorted((path / CATALOG_DIR).glob("*.parquet")):
         covered.update(_catalog_seqs(f, drop_unreadable))

@@ -8,15 +8,15 @@ at any point leaves either a whole group or nothing visible. Records get consecu
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import orjson
+
+from rbpipe.fsutil import file_lock
 
 
 def _dumps(record: dict) -> bytes:
@@ -61,11 +61,12 @@ def decode(line: bytes) -> dict | None:
 class CommitLog:
     """Incremental reader and locked appender of ``commits.jsonl``."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, read_only: bool = False):
         self.path = Path(path)
-        self.read_only = False
+        self.read_only = read_only
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = (os.open(self.path, os.O_RDONLY) if read_only else
+                        os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644))
         except OSError as err:  # a read-only store (file system or permissions) is still readable
             if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not self.path.exists():
                 raise
@@ -100,13 +101,9 @@ class CommitLog:
         self._offset += end
         return out
 
-    @contextmanager
     def locked(self):
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """The commit-log lock (an exclusive ``flock`` on the log's own descriptor)."""
+        return file_lock(self._fd)
 
     def append(self, make: Callable[[int], dict | None], apply: Callable[[list[dict]], Any]) -> dict | None:
         """Under the lock: catch up (``apply`` the new records), build the record for the next sequence

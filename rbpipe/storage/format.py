@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import StoreError
+from rbpipe.fsutil import atomic_write
 
 #: Bumped when a reader of the previous version could misread a store.
 FORMAT_VERSION = 1
@@ -94,14 +95,8 @@ def create_or_open(path: str | os.PathLike, backend: str, *, create: bool,
         (path / COMMIT_LOG).touch(exist_ok=True)  # before the metadata: a store that has one has both
         meta = {"format_version": FORMAT_VERSION, "backend": backend, "created": time.time(),
                 "created_by": f"{socket.gethostname()}:{os.getpid()}", "options": options or {}}
-        tmp = path / f".{META_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        try:
-            os.link(tmp, path / META_FILE)  # fails if a concurrent creator won: keep theirs
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+        # linked, not renamed, into place: if a concurrent creator won, theirs is kept
+        atomic_write(path / META_FILE, json.dumps(meta, indent=1), fsync=False, replace=False)
     meta = read_meta(path)
     if meta["backend"] != backend:
         raise StoreError(f"store {str(path)!r} was created with the {meta['backend']!r} backend, not "

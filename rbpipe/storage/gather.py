@@ -59,7 +59,7 @@ def _load() -> None:
             try:
                 import numba
 
-                from rbpipe.storage import _kernels as kernels
+                import rbpipe.storage._kernels as kernels
                 one = np.zeros((1, 2), np.int64)
                 kernels.gather_arrays(one, CHUNK_BYTES)  # compile, or load the on-disk cache
                 kernels.whole_group_positions(one[0], one[0], one[0])

@@ -17,12 +17,9 @@ from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorD
 from tensordict.utils import is_non_tensor
 
 from rbpipe.errors import NotAGroupError, SchemaError
+from rbpipe.members import _NestedTensor, jagged_tensor  # noqa: F401 - jagged_tensor: re-exported
 from rbpipe.schema import numpy_view
 
-try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
-    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (~4x cheaper per call)
-except ImportError:  # a torch that moved it: the public constructor
-    _NestedTensor = None
 
 NestedKey = Any
 
@@ -179,13 +176,6 @@ def _rows(td: TensorDictBase) -> list[TensorDictBase] | None:
     if isinstance(td, LazyStackedTensorDict):
         return list(td.unbind(0))
     return None
-
-
-def jagged_tensor(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """A ``[rows, j]`` jagged ``torch.nested`` tensor over ``values`` (no copy), rows cut at ``offsets``."""
-    if _NestedTensor is not None:
-        return _NestedTensor(values, offsets)
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
 def _is_jagged(t: torch.Tensor) -> bool:

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from rbpipe.errors import StoreLockedError
-from rbpipe.storage.base import pid_alive
+from rbpipe.fsutil import atomic_write
+from rbpipe.procs import pid_alive
 
 LOCK_FILE = ".lock"
 
@@ -17,7 +18,7 @@ LOCK_FILE = ".lock"
 class WriterLock:
     """Exclusive writer lock of a store directory (``STORE/.lock``).
 
-    ``acquire()`` creates the lock file atomically (O_EXCL) with this process's pid and host. If it
+    ``acquire()`` creates the lock file atomically (``fsutil.atomic_write`` without replacing) with this process's pid and host. If it
     exists and its holder is alive, :class:`StoreLockedError` names the holder; if the holder is a dead
     pid on this host, the stale lock is taken over. Readers never need it.
     """
@@ -38,9 +39,9 @@ class WriterLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+            # written whole under a temporary name, then linked into place: only one contender's link
+            # succeeds, and a reader never sees a half-written holder
+            if not atomic_write(self.path, json.dumps(me), fsync=False, replace=False):
                 holder = self._holder()
                 if holder is None:
                     continue
@@ -58,8 +59,6 @@ class WriterLock:
                     f"store {str(self.path.parent)!r} is locked by pid {holder.get('pid')} on host "
                     f"{holder.get('host')!r}; stop that process first, or, if it is gone (another host), "
                     f"delete {str(self.path)!r}")
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me))
             self.held = True
             return self
         raise StoreLockedError(f"could not take the writer lock {str(self.path)!r}: it keeps changing hands")

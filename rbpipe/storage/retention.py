@@ -48,14 +48,10 @@ def data_bytes(path: str | os.PathLike) -> int:
 
 
 def disk_bound(storage, writers: int) -> int:
-    """The most :func:`data_bytes` may be for ``storage`` now, with ``writers`` writer processes (see top)."""
+    """The most :func:`data_bytes` may be for ``storage`` now, with ``writers`` writer processes (see top;
+    each backend states its own: ``disk_bound``)."""
     storage._refresh()
-    live = storage._live_bytes
-    largest = max((r["bytes"] for r in storage._groups.values()), default=0)
-    if storage.backend == "arrow":
-        files = len(list((storage.path / SEGMENTS_DIR).iterdir()))
-        return 2 * live + (writers + 1) * (roll_bytes(live) + largest) + files * 2 * BLOCK
-    return storage._chunk_bound(writers)
+    return storage._backend.disk_bound(writers)
 
 
 def owner_alive(name: str) -> bool:

@@ -9,6 +9,7 @@ from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.writers import Writer
 
 from rbpipe.errors import StoreError
+from rbpipe.storage.protocol import is_group_store
 
 
 class GroupWriter(Writer):
@@ -26,7 +27,7 @@ class GroupWriter(Writer):
         super().__init__()
 
     def _check(self):
-        if not hasattr(self._storage, "append_group"):
+        if not is_group_store(self._storage):
             raise StoreError(f"GroupWriter needs an ArrowStorage or ZarrStorage, got "
                              f"{type(self._storage).__name__}")
 

@@ -1,0 +1,42 @@
+"""``GroupStore``: what the replay buffer and ``GroupWriter`` need from a store, declared once.
+
+The buffer used to guess a store's abilities at run time (``hasattr(storage, "append_group")``, and
+``inspect.signature`` to see whether ``append_group`` takes a ``commit_id``). The answers are now stated
+by the store, as class attributes, and checked in one place (:func:`is_group_store`):
+
+* ``append_group(td, *, commit_id=None, member_ids=None)``: commit one whole group atomically (``td`` of
+  batch size ``[n]``) and return its row indices; with ``commit_id`` the commit is idempotent (a recovery
+  writing a group a dead writer already committed adds nothing), and ``member_ids`` (e.g. staging handles)
+  are recorded with it.
+* ``committed_member_ids()``: every member id ever committed, for a recovering writer.
+* ``accepts_jagged``: ``td`` may hold members of varying lengths as one TensorDict of ``[n, j]`` jagged
+  leaves (``rbpipe.members``), which such a store writes as cheaply as dense ones.
+* ``idempotent_commits``: ``append_group`` honours ``commit_id``/``member_ids``.
+
+Any torchrl ``Storage`` that is not a ``GroupStore`` is written row range by row range (the grouping
+reserves the rows). ``GroupStorage`` (Arrow, Zarr) implements the protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class GroupStore(Protocol):
+    """A store that commits whole groups (see the module doc)."""
+
+    accepts_jagged: bool
+    idempotent_commits: bool
+
+    def append_group(self, td: Any, *, commit_id: str | None = None,
+                     member_ids: list[str] | None = None) -> torch.Tensor: ...
+
+    def committed_member_ids(self) -> set[str]: ...
+
+
+def is_group_store(storage: Any) -> bool:
+    """Whether ``storage`` declares itself a :class:`GroupStore` (its class states the capability flags)."""
+    return isinstance(storage, GroupStore)

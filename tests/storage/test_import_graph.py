@@ -1,0 +1,96 @@
+"""The storage package's imports run one way (no cycle, function-level imports included), and grouping
+never imports storage (docs/STORAGE.md)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import rbpipe
+
+ROOT = Path(rbpipe.__file__).parent
+CHECKED = ("rbpipe.storage", "rbpipe.members", "rbpipe.fsutil")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """Every rbpipe module ``path`` imports, at any depth of its code (a lazy import is still an edge):
+    ``from pkg import sub`` counts as an import of ``pkg.sub`` when that is a module, else of ``pkg``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per extra dot
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for a in node.names:
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in out if m in known and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(path, name, known) for name, path in known.items()}
+
+
+def _cycle_from(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, trail = stack.pop()
+        for nxt in graph.get(node, ()):
+            if nxt == start:
+                return trail + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, trail + [nxt]))
+    return None
+
+
+def test_no_storage_module_is_on_an_import_cycle():
+    graph = _graph()
+    checked = [m for m in graph if m.startswith(CHECKED)]
+    assert "rbpipe.storage.base" in checked and "rbpipe.storage.ledger" in checked
+    cycles = [c for c in (_cycle_from(graph, m) for m in checked) if c]
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle_from({"a": {"b"}, "b": {"c"}, "c": {"a"}}, "a") == ["a", "b", "c", "a"]
+    assert _cycle_from({"a": {"b"}, "b": {"c"}, "c": set()}, "a") is None
+
+
+def test_backends_ledger_and_decoder_do_not_import_the_storage_class():
+    graph = _graph()
+    for part in ("arrow_backend", "zarr_backend", "backend", "ledger", "decoder", "catalog"):
+        assert "rbpipe.storage.base" not in graph[f"rbpipe.storage.{part}"], part
+
+
+def test_grouping_imports_nothing_from_storage():
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("rbpipe.grouping"):
+            assert not [d for d in deps if d.startswith("rbpipe.storage")], name
+    code = ("import sys, rbpipe.grouping, rbpipe.grouping.transform\n"
+            "print(sorted(m for m in sys.modules if m.startswith('rbpipe.storage')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out  # not even through another module
+
+
+def test_catalogue_and_ledger_scan_import_no_torch():
+    code = ("import sys, rbpipe.storage.catalog, rbpipe.storage.ledger\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -71,7 +71,13 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
     :class:`~rbpipe.errors.ConfigError`.
 
     Examples:
-        >>> model, tokenizer = load_pretrained("checkpoints/my-model")  # doctest: +SKIP
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp()
+        >>> build_model().save_pretrained(path); build_tokenizer().save_pretrained(path)  # doctest: +ELLIPSIS
+        (...)
+        >>> model, tokenizer = load_pretrained(path)
+        >>> model.config.model_type
+        'qwen2'
     """
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -214,6 +214,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
         if manager is not None:
             manager.shutdown()
         torch.multiprocessing.set_sharing_strategy(sharing_before)
+        storage.flush_catalog()  # rows of the groups recovered here first, or the repair lists them a second time
         _complete_catalogue(store)
     attempted = sum(progress[:])  # includes the `skipped` in-flight ones
     report = verify_store(store, group_size=group_size, stats=stats)

@@ -46,8 +46,14 @@ STATS_CACHE_S = 0.25
 
 
 def use_loopback() -> None:
-    """Keep every Ray process this one starts on 127.0.0.1 (must run before ``import ray``)."""
+    """Keep this process and every Ray process it starts on 127.0.0.1: the variable for processes started from
+    now on, and Ray's constant in this one if Ray was imported already (torchrl imports it when installed)."""
+    import sys
+
     os.environ[LOOPBACK_ENV] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 def _ray():
@@ -651,7 +657,7 @@ class RaySession:
         self._owned = False
 
     def start(self) -> "RaySession":
-        if self.address is None and "ray" not in __import__("sys").modules:
+        if self.address is None:
             use_loopback()
         try:
             ray = _ray()

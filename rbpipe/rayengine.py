@@ -558,17 +558,32 @@ class RayProcess:
 
     def __init__(self, fn, args: tuple, name: str, options: dict) -> None:
         self.fn, self.args, self.name, self.options = fn, tuple(args), name, dict(options)
-        self.actor = self.ref = None
+        self.actor = self.ref = self._info = None
         self.pid: int | None = None
         self.node_id: str | None = None
         self._exitcode: int | None = None
 
-    def start(self) -> None:
+    def start(self, wait_s: float = 20.0) -> None:
+        """Create the actor and start its loop. Waits up to ``wait_s`` for Ray to place it (for its pid and
+        node); an actor still waiting for a node with its resources (one that was removed) keeps waiting
+        without holding up the supervisor, and starts once such a node joins."""
         ray = _ray()
         self.actor = ray.remote(_WorkerHost).options(**self.options).remote()
-        info = _get(self.actor.info.remote(), self.name)
-        self.pid, self.node_id = info["pid"], info["node_id"]
+        self._info = self.actor.info.remote()
         self.ref = self.actor.run.remote(self.fn, self.args)
+        self.placement(wait_s)
+
+    def placement(self, wait_s: float = 0.0) -> dict:
+        """``{"pid", "node_id"}`` once Ray placed the actor (``None`` values while it waits for a node)."""
+        if self.node_id is None and self._info is not None:
+            ray = _ray()
+            if ray.wait([self._info], timeout=wait_s)[0]:
+                try:
+                    info = ray.get(self._info)
+                    self.pid, self.node_id = info["pid"], info["node_id"]
+                except Exception:  # noqa: BLE001 - died before it answered: exitcode tells
+                    self._info = None
+        return {"pid": self.pid, "node_id": self.node_id}
 
     def is_alive(self) -> bool:
         if self.ref is None:
@@ -615,7 +630,13 @@ class RayContext:
         self.entries, self.num_cpus, self.resources = entries, float(num_cpus), resources or {}
         self.namespace = namespace
         self.started: dict[str, int] = {}
-        self.placed: list[dict] = []
+        self.processes: list[RayProcess] = []
+
+    @property
+    def placed(self) -> list[dict]:
+        """Every worker actor started so far: worker, actor name, pid, node id, resources asked for."""
+        return [{"worker": p.name, "actor": p.options["name"], **p.placement(), "resources": p.options.get("resources")}
+                for p in self.processes]
 
     def Process(self, target, args, name: str, daemon: bool = True) -> RayProcess:  # noqa: N802 - mirrors mp
         worker = name.removeprefix("rbpipe ")
@@ -640,10 +661,9 @@ class _PlacedProcess(RayProcess):
         super().__init__(*args)
         self._ctx = ctx
 
-    def start(self) -> None:
-        super().start()
-        self._ctx.placed.append({"worker": self.name, "actor": self.options["name"], "pid": self.pid,
-                                 "node_id": self.node_id, "resources": self.options.get("resources")})
+    def start(self, wait_s: float = 20.0) -> None:
+        super().start(wait_s)
+        self._ctx.processes.append(self)
 
 
 class RaySession:

@@ -41,6 +41,9 @@ SHARD_PREFIX = "rbpipe-shard-"
 #: instance on loopback: this variable (read by Ray when it is imported) makes the driver, the head and every
 #: process Ray starts use 127.0.0.1.
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: Seconds between a shard's batched notices of appends to the coordinator (a unit is done when its samples
+#: were handed over: the coordinator learns it this much later).
+NOTIFY_S = 0.02
 #: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
 STATS_CACHE_S = 0.25
 
@@ -103,6 +106,11 @@ class ShardHost:
         self.leases = LeaseTable(ttl_s)
         self.registries: dict[str, Any] = {}
         self._coordinator = None
+        import threading
+
+        self._events: list[tuple] = []
+        self._events_lock = threading.Lock()
+        self._flusher = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -119,9 +127,29 @@ class ShardHost:
         return reg.join_info()
 
     def _appended(self, name: str, group, owner) -> None:
-        if self._coordinator is None:
-            self._coordinator = _ray().get_actor(self.coordinator_name, namespace=self.namespace)
-        self._coordinator.appended.remote(name, group, owner)  # fire and forget: the shard never waits on it
+        """Tell the coordinator (work units) about an append: batched, flushed every :data:`NOTIFY_S` by a
+        thread of this actor, never waited for. One Ray call per trajectory cost the shard more than its
+        grouping decision (a task submission each)."""
+        with self._events_lock:
+            self._events.append((name, group, owner))
+            if self._flusher is None:
+                import threading
+
+                self._flusher = threading.Thread(target=self._flush_loop, daemon=True, name="rbpipe-notify")
+                self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while True:
+            time.sleep(NOTIFY_S)
+            self.flush()
+
+    def flush(self) -> None:
+        with self._events_lock:
+            events, self._events = self._events, []
+        if events:
+            if self._coordinator is None:
+                self._coordinator = _ray().get_actor(self.coordinator_name, namespace=self.namespace)
+            self._coordinator.appended_many.remote(events)  # fire and forget: the shard never waits on it
 
     def call(self, name: str, method: str, args: tuple, kwargs: dict):
         from rbpipe.grouping.registry import GroupRegistry
@@ -170,10 +198,12 @@ class CoordinatorHost:
             raise AttributeError(f"Coordinator has no remote method {method!r}")
         return getattr(self.coordinators[name], method)(*args, **kwargs)
 
-    def appended(self, name: str, group, owner) -> None:
-        coordinator = self.coordinators.get(name)
-        if coordinator is not None:
-            coordinator.appended(group, owner)
+    def appended_many(self, events: list[tuple]) -> None:
+        """Appends the shards saw, in their order: ``[(registry name, group, owner lease), ...]``."""
+        for name, group, owner in events:
+            coordinator = self.coordinators.get(name)
+            if coordinator is not None:
+                coordinator.appended(group, owner)
 
     # leases: granted here, adopted by the shards
     def lease(self) -> str:
@@ -442,11 +472,15 @@ class RayManager:
         ns = namespace or ray.get_runtime_context().namespace
         ttl = ttl_from_env() if ttl_s is None else float(ttl_s)
         prefix = f"{uuid.uuid4().hex[:8]}-" if prefix is None else prefix
-        coordinator = ray.remote(CoordinatorHost).options(
-            name=prefix + COORDINATOR_NAME, namespace=ns, num_cpus=0, max_restarts=0).remote(ttl)
-        hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", namespace=ns, num_cpus=0,
-                                               max_restarts=0).remote(i, ns, ttl, prefix + COORDINATOR_NAME)
-                 for i in range(int(shards))]
+        # The shared state lives on the driver's node, as the local manager lives beside its launcher: a worker
+        # node that is removed (or preempted) takes only its workers with it. 0 CPUs: they never wait for a slot.
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        common = {"namespace": ns, "num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
+        coordinator = ray.remote(CoordinatorHost).options(name=prefix + COORDINATOR_NAME, **common).remote(ttl)
+        hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", **common)
+                 .remote(i, ns, ttl, prefix + COORDINATOR_NAME) for i in range(int(shards))]
         _get([coordinator.pid.remote()] + [h.pid.remote() for h in hosts])
         return cls(ns, prefix, coordinator, hosts, owner=True)
 

@@ -487,7 +487,19 @@ class RayManager:
     @classmethod
     def connect(cls, spec: dict) -> "RayManager":
         """Join the actors a service started (``spec``: :meth:`spec`, from ``endpoint.json``)."""
+        host = str(spec["address"]).rsplit(":", 1)[0]
+        if host.startswith("127.") or host in ("localhost", "::1"):
+            use_loopback()  # a service on a private loopback instance: Ray would swap 127.0.0.1 for the NIC's address
         ray = _ray()
+        if spec.get("auth_mode") == "token" and "RAY_AUTH_MODE" not in os.environ:
+            # a private instance uses Ray's token auth (the token: ~/.ray/auth_token, or RAY_AUTH_TOKEN). Ray read
+            # its settings when torchrl imported it: refresh them as ray.init does for a new local cluster.
+            try:
+                from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+                _enable_token_auth()
+            except ImportError:  # another Ray version: the variable alone
+                os.environ["RAY_AUTH_MODE"] = "token"
         if not ray.is_initialized():
             ray.init(address=spec["address"], namespace=spec["namespace"], logging_level="WARNING")
         prefix = spec.get("prefix", "")
@@ -506,7 +518,7 @@ class RayManager:
 
     def spec(self) -> dict:
         return {"address": self.address, "namespace": self.namespace, "prefix": self.prefix,
-                "shards": len(self.shard_actors)}
+                "shards": len(self.shard_actors), "auth_mode": os.environ.get("RAY_AUTH_MODE")}
 
     def get_registry(self, name: str, options: dict | None = None, shards: int = 16, staging: dict | None = None):
         _get([s.open.remote(name, options, staging) for s in self.shard_actors])

@@ -330,7 +330,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
     summary["engine"] = engine
     if engine == "ray":
         summary["grouping_shards"] = int(ray.get("grouping_shards") or 1)
-        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
     log(summary_table(summary))
     if status == "interrupted":
         log(f"run interrupted; {resume_hint(run_dir)}")

@@ -93,3 +93,39 @@ def _descendants(root: int) -> set[int]:
                 seen.add(child)
                 todo.append(child)
     return seen
+
+
+@pytest.mark.timeout(300)
+def test_serve_on_ray_with_workers_attached_from_shells(ray_cluster, tmp_path):
+    """``rbpipe serve --engine ray``: a collector and the learner started as separate programs attach through
+    ``endpoint.json`` (Ray namespace and actor names), train to ``--steps``, and the service ends by itself."""
+    import sys
+    import time
+
+    cluster, _ = ray_cluster
+    run_dir = tmp_path / "served"
+    base = [sys.executable, "-m", "rbpipe.cli"]
+    serve = subprocess.Popen(base + ["serve", "--no-progress", "--json", "--engine", "ray", "--ray-address",
+                                     cluster.address, "--run-dir", str(run_dir), "--steps", "3", "--grpo-size", "4",
+                                     "--groups-per-step", "2", "--collectors", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "endpoint.json").exists():
+            assert serve.poll() is None and time.monotonic() < deadline, serve.communicate()[1][-3000:]
+            time.sleep(0.2)
+        for kind in ("collector", "learner"):
+            workers.append(subprocess.Popen(base + [kind, "--connect", str(run_dir)], stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True))
+        out, err = serve.communicate(timeout=200)
+        assert serve.returncode == 0, err[-3000:]
+        for w in workers:
+            text, _ = w.communicate(timeout=60)
+            assert w.returncode == 0, text[-3000:]
+    finally:
+        for p in [serve, *workers]:
+            if p.poll() is None:
+                p.kill()
+    summary = json.loads(out)
+    assert summary["status"] == "done" and summary["learner_steps"] == 3 and summary["conservation_ok"]

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 
 from rbpipe.grouping import SharedMCAdvantage
 from rbpipe.rayengine import RayManager, shard_of
-from tests.grouping.helpers import MINIMAL_KEYS, groups_of, traj
-from tests.grouping.test_differential import _assert_stats_equal, _stock_run, scenarios
+from tests.grouping.helpers import MINIMAL_KEYS
+from tests.grouping.test_differential import assert_matches_stock, scenarios
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,7 @@ def test_sharded_registry_matches_torchrl(sharded_manager, scenario):
     ours = SharedMCAdvantage(prompt_key="group_id", manager=sharded_manager, staging_dir=tempfile.mkdtemp(),
                              required_keys=MINIMAL_KEYS, **opts)
     try:
-        got = [groups_of(ours.inv(traj(u, g, r))) for u, g, r in stream]
-        want, stock_stats = _stock_run(opts, stream)
-        assert got == want
-        _assert_stats_equal(ours.get_stats(), stock_stats)
-        assert len(ours.staging.handles()) == ours.get_stats()["queued_trajectories"]
+        assert_matches_stock(ours, opts, stream)
     finally:
         ours.close()
 

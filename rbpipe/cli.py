@@ -309,7 +309,12 @@ def _run(args, given: set[str]) -> int:
         ray_given = {d: getattr(args, d) for d in RAY_OPTIONS if getattr(args, d) is not None}
         if ray_given and args.engine != "ray":
             raise ConfigError(f"{_flag(next(iter(ray_given)))} applies only with --engine ray")
+        if args.grouping_shards is not None and args.grouping_shards < 1:
+            raise ConfigError(f"--grouping-shards must be >= 1, got {args.grouping_shards}")
         if args.engine == "ray":
+            from rbpipe.rayengine import parse_resources  # Ray itself is imported only when the run starts
+
+            args.ray_resources = parse_resources(args.ray_resources)  # before anything is written
             start = functools.partial(start, engine="ray", ray={
                 "address": args.ray_address, "grouping_shards": args.grouping_shards or 1,
                 "num_cpus": args.ray_num_cpus if args.ray_num_cpus is not None else 1,

@@ -21,7 +21,6 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RBPIPE_LEASE_TTL_S", "3")  # a killed collector's claims move on sooner
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"head": 1}, "node_ip_address": "127.0.0.1", "include_dashboard": False})
     try:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ray_helpers import check_store, ray_run_cmd
+from ray_helpers import check_store, ray_env, ray_run_cmd
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_env())
 
 
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from ray_helpers import check_store, ray_run_cmd
+from ray_helpers import check_store, ray_env, ray_run_cmd
 
 
 @pytest.fixture(scope="module")
 def cluster_run(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
     cluster, _ = ray_cluster
     run_dir = tmp_path_factory.mktemp("ray") / "run"
-    out = subprocess.run(ray_run_cmd(cluster.address, run_dir), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(ray_run_cmd(cluster.address, run_dir), capture_output=True, text=True, timeout=240,
+                         env=ray_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run_dir, json.loads(out.stdout)
 
@@ -108,7 +109,7 @@ def test_serve_on_ray_with_workers_attached_from_shells(ray_cluster, tmp_path):
     serve = subprocess.Popen(base + ["serve", "--no-progress", "--json", "--engine", "ray", "--ray-address",
                                      cluster.address, "--run-dir", str(run_dir), "--steps", "3", "--grpo-size", "4",
                                      "--groups-per-step", "2", "--collectors", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_env())
     workers = []
     try:
         deadline = time.monotonic() + 120
@@ -117,7 +118,7 @@ def test_serve_on_ray_with_workers_attached_from_shells(ray_cluster, tmp_path):
             time.sleep(0.2)
         for kind in ("collector", "learner"):
             workers.append(subprocess.Popen(base + [kind, "--connect", str(run_dir)], stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True))
+                                            stderr=subprocess.STDOUT, text=True, env=ray_env()))
         out, err = serve.communicate(timeout=200)
         assert serve.returncode == 0, err[-3000:]
         for w in workers:

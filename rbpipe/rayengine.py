@@ -44,6 +44,8 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 #: Seconds between a shard's batched notices of appends to the coordinator (a unit is done when its samples
 #: were handed over: the coordinator learns it this much later).
 NOTIFY_S = 0.02
+#: Seconds a caller waits for a shard that Ray restarts (it replays its log) before the run fails.
+RESTART_WAIT_S = 60.0
 #: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
 STATS_CACHE_S = 0.25
 
@@ -92,11 +94,39 @@ def _get(refs, what: str = "grouping"):
 
 
 # -- actors ------------------------------------------------------------------------------------------------------
+#: Registry calls that change a shard's state: written to the shard's log first, replayed after a restart.
+LOGGED = ("append", "confirm", "quarantine", "reset_stats", "clear_queues", "restore")
+
+
+def _registry_class():
+    from rbpipe.grouping.registry import GroupRegistry
+
+    class ShardRegistry(GroupRegistry):
+        """A registry whose claim ids derive from the members' handles: a group formed again when a restarted
+        shard replays its log keeps its id, and the store's commits are idempotent by id."""
+
+        def _claim_id(self, members) -> str:
+            import hashlib
+
+            return hashlib.sha1("\0".join(sorted(h for _, h, _ in members)).encode()).hexdigest()[:32]
+
+    return ShardRegistry
+
+
 class ShardHost:
     """One grouping shard (a Ray actor): registries by name, each a plain ``GroupRegistry`` whose owners are
-    checked against this shard's own lease table."""
+    checked against this shard's own lease table.
 
-    def __init__(self, index: int, namespace: str, ttl_s: float, coordinator: str = COORDINATOR_NAME) -> None:
+    With ``log_dir`` (the service's: under the store, a path that survives the actor) every call that changes
+    state is appended to ``shard-<index>.log`` before it runs; an actor that Ray restarts (``max_restarts``)
+    replays it, so its queued groups, unconfirmed claims and counters come back as they were. A writer whose
+    call was cut off by the restart calls again (the router retries): an append of a handle the shard already
+    has is answered, not queued twice."""
+
+    def __init__(self, index: int, namespace: str, ttl_s: float, coordinator: str = COORDINATOR_NAME,
+                 log_dir: str | None = None) -> None:
+        import threading
+
         import torch
 
         from rbpipe.grouping.leases import LeaseTable
@@ -105,26 +135,91 @@ class ShardHost:
         self.index, self.namespace, self.coordinator_name = index, namespace, coordinator
         self.leases = LeaseTable(ttl_s)
         self.registries: dict[str, Any] = {}
+        self._seen: dict[str, set] = {}  # handles appended, per registry
         self._coordinator = None
-        import threading
-
         self._events: list[tuple] = []
         self._events_lock = threading.Lock()
         self._flusher = None
+        self._log = None
+        self.replayed = 0
+        if log_dir:
+            from pathlib import Path
+
+            path = Path(log_dir) / f"shard-{index}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.replayed = self._replay(path)
+            self._log = open(path, "ab")  # noqa: SIM115 - open for the actor's life
 
     def pid(self) -> int:
         return os.getpid()
 
     def open(self, name: str, options: dict | None, staging: dict | None) -> dict:
-        from rbpipe.grouping.registry import GroupRegistry
-
         reg = self.registries.get(name)
         if reg is None:
             if options is None:
                 raise KeyError(f"no grouping registry named {name!r} on shard {self.index}")
-            reg = self.registries[name] = GroupRegistry(options, shards=1, staging=staging, leases=self.leases)
-            reg.on_append = functools.partial(self._appended, name)
+            self._write(("open", name, options, staging))
+            reg = self._new_registry(name, options, staging)
         return reg.join_info()
+
+    def _new_registry(self, name: str, options: dict, staging: dict | None):
+        reg = self.registries[name] = _registry_class()(options, shards=1, staging=staging, leases=self.leases)
+        reg.on_append = functools.partial(self._appended, name)
+        return reg
+
+    # -- the log --
+    def _write(self, record: tuple) -> None:
+        if self._log is not None:
+            import cloudpickle  # options may hold a user's selector object
+
+            data = cloudpickle.dumps(record)
+            self._log.write(len(data).to_bytes(8, "little") + data)
+            self._log.flush()  # in the OS's hands: survives the actor's process
+
+    def _replay(self, path) -> int:
+        import pickle
+
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        pos = count = 0
+        while pos + 8 <= len(data):
+            size = int.from_bytes(data[pos:pos + 8], "little")
+            if pos + 8 + size > len(data):
+                break  # a record cut short by the kill: it never ran
+            record = pickle.loads(data[pos + 8:pos + 8 + size])
+            pos += 8 + size
+            count += 1
+            if record[0] == "open":
+                reg = self._new_registry(*record[1:])
+                reg.on_append, reg._orphan_check_s = None, float("inf")  # the coordinator saw these already
+                continue
+            _, name, method, args = record
+            try:
+                self._apply(name, method, args)
+            except Exception:  # noqa: BLE001 - it raised the first time too (its caller was told)
+                pass
+        os.truncate(path, pos)
+        for name, reg in self.registries.items():
+            reg.on_append, reg._orphan_check_s = functools.partial(self._appended, name), 0.5
+            for claim in reg._claims.values():  # owners alive for one lease: a live one's heartbeat keeps it
+                if isinstance(claim["owner"], str):
+                    self.leases.adopt(claim["owner"])
+        return count
+
+    def _apply(self, name: str, method: str, args: tuple):
+        if method == "append":
+            self._seen.setdefault(name, set()).add(args[1])
+        return getattr(self.registries[name], method)(*args)
+
+    def _answer_again(self, reg, handle: str) -> dict:
+        """A retried append of ``handle``: the claim it is in, else queued (or already written or dropped)."""
+        with reg._claims_lock:
+            for claim in reg._claims.values():
+                if any(h == handle for h, _ in claim["members"]):
+                    return {"status": "write", **reg._public(claim), "recovered": []}
+        return {"status": "queued", "recovered": []}
 
     def _appended(self, name: str, group, owner) -> None:
         """Tell the coordinator (work units) about an append: batched, flushed every :data:`NOTIFY_S` by a
@@ -156,7 +251,13 @@ class ShardHost:
 
         if method not in GroupRegistry.exposed:
             raise AttributeError(f"GroupRegistry has no remote method {method!r}")
-        return getattr(self.registries[name], method)(*args, **kwargs)
+        if kwargs:
+            raise TypeError("shard calls take positional arguments")
+        if method == "append" and args[1] in self._seen.get(name, ()):
+            return self._answer_again(self.registries[name], args[1])
+        if method in LOGGED:
+            self._write(("call", name, method, tuple(args)))
+        return self._apply(name, method, tuple(args))
 
     def adopt(self, token: str) -> None:
         self.leases.adopt(token)
@@ -299,12 +400,14 @@ class ShardedRegistry(_Proxy):
     (remembered from the answers, else asked of all); ``recover`` and every counter are gathered from all
     shards; leases are granted by the coordinator and adopted by every shard."""
 
-    def __init__(self, name: str, shards: list, coordinator) -> None:
+    def __init__(self, name: str, shards: list, coordinator, restart_wait_s: float = 0.0) -> None:
         self._name, self._shards, self._coordinator = name, list(shards), coordinator
+        self._restart_wait_s = float(restart_wait_s)
         self._claim_shard: dict[str, int] = {}
 
     def __getstate__(self) -> dict:
-        return {"_name": self._name, "_shards": self._shards, "_coordinator": self._coordinator}
+        return {"_name": self._name, "_shards": self._shards, "_coordinator": self._coordinator,
+                "_restart_wait_s": self._restart_wait_s}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -321,10 +424,23 @@ class ShardedRegistry(_Proxy):
         return len(self._shards)
 
     def _one(self, index: int, method: str, *args):
-        return _get(self._shards[index].call.remote(self._name, method, args, {}))
+        return self._shard_get(lambda: self._shards[index].call.remote(self._name, method, args, {}))
 
     def _all(self, method: str, *args) -> list:
-        return _get([s.call.remote(self._name, method, args, {}) for s in self._shards])
+        return self._shard_get(lambda: [s.call.remote(self._name, method, args, {}) for s in self._shards])
+
+    def _shard_get(self, submit):
+        """Shard calls; while a shard that Ray restarts comes back (it replays its log), the call is made
+        again, for up to ``restart_wait_s`` (every shard call is safe to repeat)."""
+        ray = _ray()
+        deadline = time.monotonic() + self._restart_wait_s
+        while True:
+            try:
+                return _get(submit())
+            except ManagerDiedError as err:
+                if not isinstance(err.__cause__, ray.exceptions.RayActorError) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def _remember(self, index: int, decisions: list[dict]) -> None:
         for decision in decisions:
@@ -427,22 +543,24 @@ class ShardedRegistry(_Proxy):
             parts[shard_of(group, k)]["queued"].append((group, members))
         for claim in snap["claims"]:
             parts[shard_of(claim["group"], k)]["claims"].append(claim)
-        return sum(_get([s.call.remote(self._name, "restore", (p,), {}) for s, p in zip(self._shards, parts)]))
+        return sum(self._shard_get(lambda: [s.call.remote(self._name, "restore", (p,), {})
+                                            for s, p in zip(self._shards, parts)]))
 
     # -- leases: the coordinator is the authority, every shard adopts --
     def _do_lease(self) -> str:
         token = _get(self._coordinator.lease.remote(), "coordinator")
-        _get([s.adopt.remote(token) for s in self._shards])
+        self._shard_get(lambda: [s.adopt.remote(token) for s in self._shards])
         return token
 
     def _do_renew(self, token) -> bool:
         alive = _get(self._coordinator.renew.remote(token), "coordinator")
         if alive:
-            _get([s.adopt.remote(token) for s in self._shards])
+            self._shard_get(lambda: [s.adopt.remote(token) for s in self._shards])
         return alive
 
     def _do_release(self, token) -> None:
-        _get([self._coordinator.release_lease.remote(token)] + [s.release.remote(token) for s in self._shards])
+        _get(self._coordinator.release_lease.remote(token), "coordinator")
+        self._shard_get(lambda: [s.release.remote(token) for s in self._shards])
 
     def _do_lease_ttl(self) -> float:
         return _get(self._coordinator.lease_ttl.remote(), "coordinator")
@@ -454,16 +572,21 @@ class RayManager:
 
     joined = False
 
-    def __init__(self, namespace: str, prefix: str, coordinator, shards: list, owner: bool) -> None:
+    def __init__(self, namespace: str, prefix: str, coordinator, shards: list, owner: bool,
+                 restart_wait_s: float = 0.0) -> None:
         self.namespace, self.prefix = namespace, prefix
         self.coordinator_actor, self.shard_actors = coordinator, list(shards)
         self._owner = owner
+        self.restart_wait_s = float(restart_wait_s)
 
     @classmethod
     def start(cls, *, shards: int = 1, ttl_s: float | None = None, namespace: str | None = None,
-              prefix: str | None = None) -> "RayManager":
+              prefix: str | None = None, log_dir: str | None = None, shard_restarts: int = 3) -> "RayManager":
         """Create the coordinator and ``shards`` shard actors (0 CPUs each; placed by Ray) and wait for them.
-        Their names (``<prefix>rbpipe-coordinator``, ``<prefix>rbpipe-shard-<i>``) are unique per service."""
+        Their names (``<prefix>rbpipe-coordinator``, ``<prefix>rbpipe-shard-<i>``) are unique per service.
+        ``log_dir``: where the shards log their state changes (``<log_dir>/<prefix>shards/``); with it, Ray
+        restarts a shard up to ``shard_restarts`` times and the shard replays its log. Without it a dead
+        shard fails the run."""
         from rbpipe.grouping.leases import ttl_from_env
 
         ray = _ray()
@@ -479,10 +602,12 @@ class RayManager:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         common = {"namespace": ns, "num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
         coordinator = ray.remote(CoordinatorHost).options(name=prefix + COORDINATOR_NAME, **common).remote(ttl)
-        hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", **common)
-                 .remote(i, ns, ttl, prefix + COORDINATOR_NAME) for i in range(int(shards))]
+        logs = None if log_dir is None else os.path.join(str(log_dir), f"{prefix}shards")
+        restarts = int(shard_restarts) if logs else 0
+        hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", **dict(common, max_restarts=restarts))
+                 .remote(i, ns, ttl, prefix + COORDINATOR_NAME, logs) for i in range(int(shards))]
         _get([coordinator.pid.remote()] + [h.pid.remote() for h in hosts])
-        return cls(ns, prefix, coordinator, hosts, owner=True)
+        return cls(ns, prefix, coordinator, hosts, owner=True, restart_wait_s=RESTART_WAIT_S if restarts else 0.0)
 
     @classmethod
     def connect(cls, spec: dict) -> "RayManager":
@@ -510,7 +635,8 @@ class RayManager:
         except ValueError as err:
             raise ManagerDiedError(f"no rbpipe service in Ray namespace {spec['namespace']!r} ({err}): is "
                                    "`rbpipe serve --engine ray` still running?") from err
-        return cls(spec["namespace"], prefix, coordinator, shards, owner=False)
+        return cls(spec["namespace"], prefix, coordinator, shards, owner=False,
+                   restart_wait_s=float(spec.get("restart_wait_s", 0.0)))
 
     @property
     def address(self) -> str:
@@ -518,15 +644,16 @@ class RayManager:
 
     def spec(self) -> dict:
         return {"address": self.address, "namespace": self.namespace, "prefix": self.prefix,
-                "shards": len(self.shard_actors), "auth_mode": os.environ.get("RAY_AUTH_MODE")}
+                "shards": len(self.shard_actors), "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+                "restart_wait_s": self.restart_wait_s}
 
     def get_registry(self, name: str, options: dict | None = None, shards: int = 16, staging: dict | None = None):
         _get([s.open.remote(name, options, staging) for s in self.shard_actors])
-        return ShardedRegistry(name, self.shard_actors, self.coordinator_actor)
+        return ShardedRegistry(name, self.shard_actors, self.coordinator_actor, self.restart_wait_s)
 
     def get_coordinator(self, name: str, settings: dict | None = None) -> CoordinatorProxy:
         if settings is not None:
-            registry = ShardedRegistry(name, self.shard_actors, self.coordinator_actor)
+            registry = ShardedRegistry(name, self.shard_actors, self.coordinator_actor, self.restart_wait_s)
             _get(self.coordinator_actor.configure.remote(name, settings, registry), "coordinator")
         elif not _get(self.coordinator_actor.has.remote(name), "coordinator"):
             raise ConfigError(f"the Ray namespace {self.namespace!r} runs no rbpipe service ({name!r})")

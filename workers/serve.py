@@ -65,7 +65,7 @@ class Service:
         if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.rayengine); Ray is connected
             from rbpipe.rayengine import RayManager
 
-            self.manager = RayManager.start(shards=self.grouping_shards)
+            self.manager = RayManager.start(shards=self.grouping_shards, log_dir=str(self.run_dir))
         else:
             self.manager = start_manager(address=self.listen, authkey=key)
         self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / "staging",
@@ -150,6 +150,10 @@ class Service:
                 self.manager.shutdown()
             except Exception:  # noqa: BLE001 - already gone
                 pass
+            if self.engine == "ray":  # the shards' logs: a resumed run requeues from the staging area instead
+                import shutil
+
+                shutil.rmtree(self.run_dir / f"{self.manager.prefix}shards", ignore_errors=True)
         if self.weights is not None:
             self.weights.unlink()
         (self.run_dir / RATE_LIMIT_FILE).unlink(missing_ok=True)

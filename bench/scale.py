@@ -5,8 +5,9 @@ of G=8 span the writers, through ``make_replay_buffer`` over an Arrow store: val
 (the store's ``staging/``), one registry call per trajectory, the writer that completes a group reads its
 members back and commits it to the store.
   local   writers are ``multiprocess`` spawn processes, the registry lives in the ``multiprocess`` manager
-  ray     writers are Ray actors, the registry is K shard actors (``--grouping-shards K``) plus the
-          coordinator actor as lease authority, all in one private Ray instance on loopback
+  ray     writers are Ray actors, the registry is K shard actors (``--grouping-shards K``, each logging its
+          state changes as the service's do) plus the coordinator actor as lease authority, all in one private
+          Ray instance on loopback
 Then, for the paper model of docs/RAY.md: one shard actor's ceiling (appends/s it answers when callers
 keep it busy, no payloads) and the bytes of one append message and its answer. Speed is printed, never
 asserted; baseline (local) and Ray cells run in the same session, ratios are Ray/local at the same W.
@@ -111,7 +112,7 @@ def bench_ray(writers_list, shards_list, seconds: float, root: Path) -> tuple[li
         actors = [ray.remote(_RayWriter).options(num_cpus=1).remote() for _ in range(max(writers_list))]
         ray.get([a.ready.remote() for a in actors])
         for k in shards_list:
-            manager = RayManager.start(shards=k)
+            manager = RayManager.start(shards=k, log_dir=str(root))  # as the service runs them: logging
             try:
                 for w_count in writers_list:
                     buffer = _buffer(root, manager, f"ray-{k}-{w_count}")
@@ -132,7 +133,7 @@ def shard_ceiling(root: Path, n: int = 3000, window: int = 200) -> dict:
     from rbpipe.grouping.registry import encode_tensor
     from rbpipe.rayengine import RayManager
 
-    manager = RayManager.start(shards=1)
+    manager = RayManager.start(shards=1, log_dir=str(root))
     try:
         manager.get_registry("ceiling", {"grpo_size": G}, staging={"path": str(root / "none"), "temporary": False})
         shard, token = manager.shard_actors[0], manager.coordinator_actor.lease.remote()

@@ -98,6 +98,7 @@ def _get(refs, what: str = "grouping"):
 LOGGED = ("append", "confirm", "quarantine", "reset_stats", "clear_queues", "restore")
 
 
+@functools.lru_cache(maxsize=1)
 def _registry_class():
     from rbpipe.grouping.registry import GroupRegistry
 

@@ -143,6 +143,7 @@ class ShardHost:
         self._flusher = None
         self._log = None
         self.replayed = 0
+        self._grace_until = time.monotonic() + ttl_s  # after a restart: leases the shard forgot are taken in
         if log_dir:
             from pathlib import Path
 
@@ -254,8 +255,11 @@ class ShardHost:
             raise AttributeError(f"GroupRegistry has no remote method {method!r}")
         if kwargs:
             raise TypeError("shard calls take positional arguments")
-        if method == "append" and args[1] in self._seen.get(name, ()):
-            return self._answer_again(self.registries[name], args[1])
+        if method == "append":
+            if args[1] in self._seen.get(name, ()):
+                return self._answer_again(self.registries[name], args[1])
+            if self.replayed and time.monotonic() < self._grace_until and not self.leases.alive(args[3]):
+                self.leases.adopt(args[3])  # restarted: a writer's lease is known again at its next heartbeat
         if method in LOGGED:
             self._write(("call", name, method, tuple(args)))
         return self._apply(name, method, tuple(args))
@@ -555,8 +559,9 @@ class ShardedRegistry(_Proxy):
 
     def _do_renew(self, token) -> bool:
         alive = _get(self._coordinator.renew.remote(token), "coordinator")
-        if alive:
-            self._shard_get(lambda: [s.adopt.remote(token) for s in self._shards])
+        if alive:  # not waited for: a shard that Ray is restarting must not hold the heartbeat up
+            for shard in self._shards:  # (the lease would then expire on the coordinator, the authority)
+                shard.adopt.remote(token)
         return alive
 
     def _do_release(self, token) -> None:

@@ -404,6 +404,8 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
             if stop_request.requested:
                 return "interrupted" if workers else "stopped"
             if learner is not None and not learner.process.is_alive():
+                if service.status()["learner"]["done"]:  # it reported done and left between the two checks
+                    return "done"
                 cause = exit_cause(learner.process.exitcode)
                 log(f"learner {cause}; stopping the run ({resume_hint(run_dir)})")
                 return f"learner {cause}"

@@ -45,6 +45,19 @@ def _finish(proc: subprocess.Popen, timeout: float = 200) -> dict:
     return json.loads(out)
 
 
+def _run_with_fault(cmd: list[str], run_dir: Path, after_steps: int, ready: str, fault) -> dict:
+    """Start the run, wait for ``after_steps`` learner steps and ``RUN_DIR/<ready>``, call ``fault(proc)``, then
+    wait for the run to finish; returns its summary (the run is killed if the test fails on the way)."""
+    proc = _start(cmd)
+    try:
+        _wait_for(lambda: _steps_done(run_dir) >= after_steps and (run_dir / ready).exists(), 150, proc)
+        fault(proc)
+        return _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _check_summary(summary: dict, steps: int) -> None:
     assert summary["status"] == "done" and summary["learner_steps"] == steps
     assert summary["conservation_ok"] is True, summary["session"]
@@ -57,15 +70,13 @@ def test_collector_actor_killed_mid_run(ray_cluster, tmp_path):
 
     cluster, _ = ray_cluster
     run_dir = tmp_path / "run"
-    proc = _start(ray_run_cmd(cluster.address, run_dir, steps=8))
-    try:
-        _wait_for(lambda: _steps_done(run_dir) >= 2 and (run_dir / "ray_workers.json").exists(), 150, proc)
+
+    def kill_collector(_proc) -> None:
         namespace = json.loads((run_dir / "ray_workers.json").read_text())["namespace"]
         ray.kill(ray.get_actor("collector-0-0", namespace=namespace))
-        summary = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=8), run_dir, 2, "ray_workers.json",
+                              kill_collector)
     _check_summary(summary, 8)
     assert summary["restarts"] == 1 and summary["worker_exits"]["collector 0"] == ["killed by SIGKILL"]
     check_store(run_dir, summary)
@@ -81,19 +92,19 @@ def test_worker_node_removed_mid_run(ray_cluster, tmp_path):
     pins = json.dumps({"learner": {"head": 0.01}, "collectors": [{"node_b": 0.01}, {"node_d": 0.01}]})
     cmd = ray_run_cmd(cluster.address, run_dir, steps=8)
     cmd[cmd.index("--ray-resources") + 1] = pins
-    proc = _start(cmd)
-    replacement = None
-    try:
-        _wait_for(lambda: _steps_done(run_dir) >= 2, 150, proc)
+    added = []
+
+    def remove_node(_proc) -> None:
         cluster.remove_node(node_d)
         time.sleep(2)
-        replacement = cluster.add_node(num_cpus=1, resources={"node_d": 1}, node_ip_address="127.0.0.1")
-        summary = _finish(proc)
+        added.append(cluster.add_node(num_cpus=1, resources={"node_d": 1}, node_ip_address="127.0.0.1"))
+
+    try:
+        summary = _run_with_fault(cmd, run_dir, 2, "ray_workers.json", remove_node)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        if replacement is not None:
-            cluster.remove_node(replacement)
+        for node in added:
+            cluster.remove_node(node)
+    replacement = added[0]
     _check_summary(summary, 8)
     assert summary["worker_exits"]["collector 1"] == ["killed by SIGKILL"]
     placed = json.loads((run_dir / "ray_workers.json").read_text())["workers"]
@@ -109,19 +120,17 @@ def test_registry_shard_killed_and_restarted_by_ray(ray_cluster, tmp_path):
 
     cluster, _ = ray_cluster
     run_dir = tmp_path / "run"
-    proc = _start(ray_run_cmd(cluster.address, run_dir, steps=6))
-    try:
-        _wait_for(lambda: _steps_done(run_dir) >= 1 and (run_dir / "endpoint.json").exists(), 150, proc)
+
+    def kill_shard(proc) -> None:
         spec = json.loads((run_dir / "endpoint.json").read_text())["ray"]
         shard = ray.get_actor(f"{spec['prefix']}rbpipe-shard-0", namespace=spec["namespace"])
         pid = ray.get(shard.pid.remote())
         ray.kill(shard, no_restart=False)
         _wait_for(lambda: _try_pid(shard) not in (None, pid), 60, proc)  # Ray brought it back
         assert ray.get(shard.__ray_call__.remote(lambda self: self.replayed)) > 0
-        summary = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=6), run_dir, 1, "endpoint.json",
+                              kill_shard)
     _check_summary(summary, 6)
     assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0
     assert not list(run_dir.glob("*shards"))  # the shards' logs go with the service

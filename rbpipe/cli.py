@@ -40,7 +40,9 @@ examples:
 
 
 #: what ``--resume`` may change: everything else comes from the saved run (a clear error otherwise)
-RESUME_OVERRIDES = {"steps", "resume", "no_progress", "json", "listen"}
+RESUME_OVERRIDES = {"steps", "resume", "no_progress", "json", "listen", "engine", "ray_address", "grouping_shards",
+                    "ray_num_cpus", "ray_resources"}
+RAY_OPTIONS = ("ray_address", "grouping_shards", "ray_num_cpus", "ray_resources")
 _UNSET = object()
 
 
@@ -75,6 +77,19 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue a stopped or crashed run with its saved configuration (only --steps may change)")
     g.add_argument("--backend", choices=["arrow", "zarr"], default="arrow", help="storage backend")
+    g = p.add_argument_group("engine (where the processes run)")
+    g.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local: multiprocess workers on this machine; ray: the grouping shards, the coordinator, "
+                        "the collectors and the learner as Ray actors (pip install -e '.[ray]'; docs/RAY.md)")
+    g.add_argument("--ray-address", metavar="ADDR",
+                   help="join this Ray cluster (e.g. HEAD_IP:6379); default: a private Ray instance on loopback, "
+                        "shut down at the end")
+    g.add_argument("--grouping-shards", type=int, metavar="K",
+                   help="--engine ray: registry shard actors; group ids are partitioned by a stable hash (default 1)")
+    g.add_argument("--ray-num-cpus", type=float, metavar="N", help="--engine ray: CPUs per worker actor (default 1)")
+    g.add_argument("--ray-resources", metavar="JSON",
+                   help="--engine ray: custom resources per worker, e.g. '{\"collectors\": [{\"node_b\": 0.01}, "
+                        "{\"node_c\": 0.01}], \"learner\": {\"head\": 0.01}}' (collector i takes entry i mod len)")
     g = p.add_argument_group("grouping (torchrl MCAdvantage options)")
     g.add_argument("--grpo-size", type=int, default=8, help="trajectories per group")
     g.add_argument("--trajectory-return", choices=["sum", "max", "mean", "none"], default="sum",
@@ -315,6 +330,19 @@ def _run(args, given: set[str]) -> int:
     with _stdout_for_json(args.json) as out:
         log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
         start = (functools.partial(serve, listen=parse_listen(args.listen)) if serving else launch)
+        ray_given = {d: getattr(args, d) for d in RAY_OPTIONS if getattr(args, d) is not None}
+        if ray_given and args.engine != "ray":
+            raise ConfigError(f"{_flag(next(iter(ray_given)))} applies only with --engine ray")
+        if args.grouping_shards is not None and args.grouping_shards < 1:
+            raise ConfigError(f"--grouping-shards must be >= 1, got {args.grouping_shards}")
+        if args.engine == "ray":
+            from rbpipe.rayengine import parse_resources  # Ray itself is imported only when the run starts
+
+            args.ray_resources = parse_resources(args.ray_resources)  # before anything is written
+            start = functools.partial(start, engine="ray", ray={
+                "address": args.ray_address, "grouping_shards": args.grouping_shards or 1,
+                "num_cpus": args.ray_num_cpus if args.ray_num_cpus is not None else 1,
+                "resources": args.ray_resources})
         if args.resume is not None:  # the saved configuration wins; only --steps may extend the run
             summary = start(None, resume=args.resume, steps=args.steps, progress=not args.no_progress, log=log)
         else:

@@ -58,7 +58,12 @@ class _Attached:
         _check_same("model", None if model is None else str(Path(model).resolve()),
                     None if self.config.model is None else str(Path(self.config.model).resolve()), str(target))
         spec = self.attachment.endpoint["weights"]
-        self._weights = SharedWeights(spec["path"], spec["numel"])
+        if spec.get("engine") == "ray":
+            from rbpipe.rayengine import RayWeights
+
+            self._weights = RayWeights(self.attachment.manager.coordinator_actor, spec["numel"])
+        else:
+            self._weights = SharedWeights(spec["path"], spec["numel"])
         self.coordinator = self.attachment.coordinator
         self._stop_checked, self._stop = 0.0, False
 

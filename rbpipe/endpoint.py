@@ -117,6 +117,7 @@ def attach(target: str | os.PathLike, authkey_file: str | None = None) -> Attach
 
     target = str(target)
     address: Any = parse_address(target)
+    endpoint = None
     if address is None:
         path = Path(target) / ENDPOINT
         if not path.exists():
@@ -125,6 +126,13 @@ def attach(target: str | os.PathLike, authkey_file: str | None = None) -> Attach
         endpoint = json.loads(path.read_text())
         address = endpoint["address"]
         address = tuple(address) if isinstance(address, list) else address
+    if endpoint is not None and endpoint.get("engine") == "ray":
+        from rbpipe.rayengine import RayManager  # the service's actors, in its Ray namespace
+
+        manager = RayManager.connect(endpoint["ray"])
+        coordinator = open_coordinator(manager, REGISTRY_NAME)
+        return Attachment(manager, open_registry(manager, REGISTRY_NAME), coordinator, coordinator.endpoint(),
+                          target)
     key = authkey_for(target, authkey_file)
     try:
         manager = connect_manager(address, key)

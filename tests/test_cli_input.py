@@ -185,3 +185,15 @@ def test_resume_drops_metrics_past_the_checkpoint(tmp_path):
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew')
     truncate_metrics(path, 3)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--grouping-shards", "2"], ("--grouping-shards", "--engine ray")),
+    (["--ray-address", "127.0.0.1:1"], ("--ray-address", "--engine ray")),
+    (["--engine", "ray", "--grouping-shards", "0"], ("--grouping-shards", ">= 1")),
+    (["--engine", "ray", "--ray-resources", "[1]"], ("--ray-resources",)),
+])
+def test_ray_engine_options_are_checked_in_one_line(argv, words, tmp_path, capsys):
+    code = main(["run", "--no-progress", "--run-dir", str(tmp_path / "r"), *argv])
+    one_line_error(capsys, code, 2, *words)
+    assert not (tmp_path / "r").exists()

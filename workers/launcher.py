@@ -36,6 +36,7 @@ from workers.learner import METRICS, learner_entry
 from workers.serve import Service
 
 CONFIG = "config.json"
+RAY_WORKERS = "ray_workers.json"  # --engine ray: the namespace and where each worker actor was placed
 PIDS = "pids.json"  # {name: pid} of the run's processes (launcher, manager, learner, collectors)
 PID_STARTS = "pid_starts.json"  # {name: start time in clock ticks}: tells a live process from a recycled pid
 STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
@@ -195,27 +196,35 @@ def resume_hint(run_dir: Path) -> str:
 
 def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: Path | None = None,
            resume: Path | None = None, steps: int | None = None, progress: bool = True,
-           log=print) -> dict[str, Any]:
+           log=print, engine: str = "local", ray: dict | None = None) -> dict[str, Any]:
     """Run a whole pipeline and return the summary (also written to ``RUN_DIR/summary.json``).
 
     Every input is checked before anything is written; SIGINT and SIGTERM stop the run cleanly
     (:class:`StopRequest`) and every worker dies with the launcher, however it ends.
+
+    ``engine="ray"`` runs the grouping shards, the coordinator, the collectors and the learner as Ray actors
+    (:mod:`rbpipe.rayengine`); ``ray``: ``{"address": ADDR or None (a private loopback instance),
+    "grouping_shards": K, "num_cpus": per worker, "resources": {"learner": {...}, "collectors": [...]}}``.
     """
     return _open_and_run(cfg, run_dir=run_dir, store=store, resume=resume, steps=steps, progress=progress,
-                         log=log, spawn_workers=True)
+                         log=log, spawn_workers=True, engine=engine, ray=ray)
 
 
 def serve(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: Path | None = None,
           resume: Path | None = None, steps: int | None = None, listen: tuple[str, int] | None = None,
-          progress: bool = True, log=print) -> dict[str, Any]:
+          progress: bool = True, log=print, engine: str = "local", ray: dict | None = None) -> dict[str, Any]:
     """``rbpipe serve``: the service alone, until SIGINT/SIGTERM or until the attached learner is done; then
     the summary (the same fields as :func:`launch`). ``listen``: TCP ``(host, port)`` instead of a Unix socket."""
     return _open_and_run(cfg, run_dir=run_dir, store=store, resume=resume, steps=steps, progress=progress,
-                         log=log, spawn_workers=False, listen=listen)
+                         log=log, spawn_workers=False, listen=listen, engine=engine, ray=ray)
 
 
 def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progress: bool, log,
-                  spawn_workers: bool, listen=None) -> dict[str, Any]:
+                  spawn_workers: bool, listen=None, engine: str = "local", ray: dict | None = None) -> dict[str, Any]:
+    if engine not in ("local", "ray"):
+        raise ConfigError(f"--engine {engine!r}: expected 'local' or 'ray'")
+    if engine == "local" and ray:
+        raise ConfigError("--ray-address, --grouping-shards and the other --ray-* options need --engine ray")
     with StopRequest() as stop_request:  # from here on, Ctrl-C/SIGTERM never cut a step in half
         if resume is not None:
             run_dir = Path(resume)
@@ -244,24 +253,36 @@ def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progr
             lock.release()
             raise
         return _launch_locked(cfg, run_dir, store, storage, lock, resume is not None, stop_request,
-                              progress=progress, log=log, listen=listen, spawn_workers=spawn_workers)
+                              progress=progress, log=log, listen=listen, spawn_workers=spawn_workers,
+                              engine=engine, ray=ray or {})
 
 
 def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: WriterLock, resumed: bool,
                    stop_request: StopRequest, *, progress: bool, log, listen=None,
-                   spawn_workers: bool = True) -> dict[str, Any]:
+                   spawn_workers: bool = True, engine: str = "local", ray: dict | None = None) -> dict[str, Any]:
     """The run itself, once the store's writer lock is held: a :class:`Service` plus (``rbpipe run``) the
     collectors and the learner, attached to it as any worker would be. Always releases the lock and writes
     the summary."""
     t0 = time.time()
-    ctx = quiet_spawn_context()
+    ray = ray or {}
+    session = None
+    if engine == "ray":
+        ctx = _ray_context(cfg, ray)
+    else:
+        ctx = quiet_spawn_context()
     service = Service(cfg, run_dir, store, storage, listen=listen,
-                      expect_collectors=cfg.collectors if spawn_workers else 1)
+                      expect_collectors=cfg.collectors if spawn_workers else 1, engine=engine,
+                      grouping_shards=int(ray.get("grouping_shards") or 1))
     workers: list[Worker] = []
     status = "interrupted"
     session_start = None
     try:
         stop_request.check()
+        if engine == "ray":
+            from rbpipe.rayengine import RaySession
+
+            session = RaySession(ray.get("address"), num_cpus=max(2, cfg.collectors + 1)).start()
+            ctx.namespace = session.namespace
         service.start(log=log)
         session_start = {"produced": 0, "rejected": 0, "rows": service.rows_at_start, "requeued": service.requeued,
                          "torn": service.torn}
@@ -276,9 +297,14 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
             log(f"serving {run_dir} (store {store}) at {_describe(service.manager.address)}: attach workers with "
                 f"`rbpipe collector --connect {run_dir}` and `rbpipe learner --connect {run_dir}`; Ctrl-C stops")
         write_pids(run_dir, pids)
+        if engine == "ray":
+            pids.update(service.manager.pids())
         for w in workers:
             _start(ctx, w, pids, run_dir)
-        status = _supervise(cfg, workers, service, run_dir, pids, stop_request, progress=progress, log=log)
+        if engine == "ray":
+            atomic_write_json(run_dir / RAY_WORKERS, {"namespace": session.namespace, "workers": ctx.placed})
+        status = _supervise(cfg, workers, service, run_dir, pids, stop_request, progress=progress, log=log,
+                            ctx=ctx)
     except _Interrupted:
         pass
     finally:
@@ -297,7 +323,15 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         except RbpipeError as err:
             log(f"catalogue repair skipped: {err}")
         lock.release()
+        if engine == "ray":
+            if session is not None:
+                atomic_write_json(run_dir / RAY_WORKERS, {"namespace": session.namespace, "workers": ctx.placed})
+                session.close()
     summary = _summarize(cfg, run_dir, store, storage, final, workers, t0, status, session_start)
+    summary["engine"] = engine
+    if engine == "ray":
+        summary["grouping_shards"] = int(ray.get("grouping_shards") or 1)
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
     log(summary_table(summary))
     if status == "done" and cfg.target_reward is not None:
         log(f"the task is learned: mean reward {summary['reward_last10']:.3f} over the last 10 steps >= "
@@ -310,7 +344,25 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
 
 
 def _describe(address) -> str:
-    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else f"unix socket {address}"
+    if isinstance(address, tuple):
+        return f"{address[0]}:{address[1]}"
+    return f"unix socket {address}" if str(address).startswith("/") else f"Ray cluster {address}"
+
+
+def _ray_context(cfg: RunConfig, ray: dict):
+    """Workers as Ray actors: the supervisor's ``ctx.Process`` starts the same loops ``rbpipe run``'s processes
+    run (without the process-level wrapping: Ray owns the actor's process)."""
+    import functools
+
+    from rbpipe.rayengine import RayContext, parse_resources
+    from workers.collector import run_collector
+    from workers.learner import run_learner
+
+    resources = ray.get("resources")
+    resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})
+    entries = {collector_entry: functools.partial(run_collector, announce=False),
+               learner_entry: functools.partial(run_learner, announce=False)}
+    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), resources=resources)
 
 
 def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
@@ -335,7 +387,7 @@ def _manager_pid(manager) -> int | None:
 
 
 def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir: Path, pids: dict,
-               stop_request: StopRequest, *, progress: bool, log) -> str:
+               stop_request: StopRequest, *, progress: bool, log, ctx=None) -> str:
     """Watch the service (and ``rbpipe run``'s workers) until the learner finishes or a stop is requested;
     restart dead collectors with back-off."""
     from tqdm import tqdm
@@ -358,6 +410,8 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
             if stop_request.requested:
                 return "interrupted" if workers else "stopped"
             if learner is not None and not learner.process.is_alive():
+                if service.status()["learner"]["done"]:  # it reported done and left between the two checks
+                    return "done"
                 cause = exit_cause(learner.process.exitcode)
                 log(f"learner {cause}; stopping the run ({resume_hint(run_dir)})")
                 return f"learner {cause}"
@@ -374,7 +428,7 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
                     w.next_start = time.time() + delay
                     w.restarts += 1
                 elif w.process is None and time.time() >= w.next_start:
-                    _start(quiet_spawn_context(), w, pids, run_dir)
+                    _start(ctx if ctx is not None else quiet_spawn_context(), w, pids, run_dir)
             step = int(learner_state["step"])
             bar.n = step
             bar.set_description(phase(int(learner_state["phase"]), step, start_step), refresh=False)

@@ -47,9 +47,11 @@ class Service:
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, store: Path, storage, *,
-                 listen: tuple[str, int] | None = None, expect_collectors: int = 1) -> None:
+                 listen: tuple[str, int] | None = None, expect_collectors: int = 1, engine: str = "local",
+                 grouping_shards: int = 1) -> None:
         self.cfg, self.run_dir, self.store, self.storage = cfg, Path(run_dir), Path(store), storage
         self.listen = listen
+        self.engine, self.grouping_shards = engine, int(grouping_shards)
         self.expect_collectors = expect_collectors
         self.manager = self.buffer = self.coordinator = self.weights = None
         self.requeued = self.torn = 0
@@ -60,7 +62,12 @@ class Service:
         the policy (from the checkpoint when resuming); then write ``endpoint.json``."""
         cfg = self.cfg
         key = new_authkey(self.run_dir)
-        self.manager = start_manager(address=self.listen, authkey=key)
+        if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.rayengine); Ray is connected
+            from rbpipe.rayengine import RayManager
+
+            self.manager = RayManager.start(shards=self.grouping_shards, log_dir=str(self.run_dir))
+        else:
+            self.manager = start_manager(address=self.listen, authkey=key)
         self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / "staging",
                                          name=REGISTRY_NAME, **cfg.grouping_kwargs())
         self.rows_at_start = len(self.storage)
@@ -72,8 +79,15 @@ class Service:
                                             coordinator_settings(cfg, self.run_dir, self.expect_collectors))
         model = cfg.make_model()
         numel = sum(p.numel() for p in model.parameters())
-        name = f"{WEIGHTS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.weights = SharedWeights(default_weights_dir(self.run_dir) / name, numel, create=True)
+        if self.engine == "ray":  # one ray.put per version, the ref held by the coordinator actor
+            from rbpipe.rayengine import RayWeights
+
+            self.weights = RayWeights(self.manager.coordinator_actor, numel)
+            weights_spec = {"engine": "ray", "numel": numel}
+        else:
+            name = f"{WEIGHTS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.weights = SharedWeights(default_weights_dir(self.run_dir) / name, numel, create=True)
+            weights_spec = {"path": str(self.weights.path), "numel": numel}
         version = 0
         ckpt = self.run_dir / CHECKPOINT
         if ckpt.exists():  # collectors start from the checkpoint's policy *and* its version number, or their
@@ -89,8 +103,9 @@ class Service:
         endpoint = {"address": list(address) if isinstance(address, tuple) else address,
                     "authkey_file": str(self.run_dir / AUTHKEY), "registry": REGISTRY_NAME,
                     "store": str(self.store), "run_dir": str(self.run_dir.resolve()),
-                    "weights": {"path": str(self.weights.path), "numel": numel}, "config": cfg.to_json(),
-                    "pid": os.getpid()}
+                    "weights": weights_spec, "config": cfg.to_json(), "pid": os.getpid(), "engine": self.engine}
+        if self.engine == "ray":
+            endpoint["ray"] = self.manager.spec()
         self.coordinator.set_endpoint(endpoint)
         write_endpoint(self.run_dir, endpoint)
 
@@ -135,6 +150,10 @@ class Service:
                 self.manager.shutdown()
             except Exception:  # noqa: BLE001 - already gone
                 pass
+            if self.engine == "ray":  # the shards' logs: a resumed run requeues from the staging area instead
+                import shutil
+
+                shutil.rmtree(self.run_dir / f"{self.manager.prefix}shards", ignore_errors=True)
         if self.weights is not None:
             self.weights.unlink()
         (self.run_dir / RATE_LIMIT_FILE).unlink(missing_ok=True)

@@ -84,6 +84,13 @@ class LeaseTable:
             self._expiry[token] = now + self.ttl_s
             return True
 
+    def adopt(self, token: str) -> None:
+        """Take in ``token``, granted by another table (a lease authority), as live for one time to live.
+        A registry shard of the Ray engine keeps its own table and adopts the coordinator's leases, so that
+        checking an owner never leaves the shard."""
+        with self._lock:
+            self._expiry[token] = self._clock() + self.ttl_s
+
     def release(self, token: str) -> None:
         """The holder leaves: what it owned is handed on at once."""
         with self._lock:

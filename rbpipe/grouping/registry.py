@@ -348,7 +348,7 @@ class GroupRegistry:
         advs = out.get(_A).split(counts.tolist(), dim=0)
         selected = [handle_of[int(h)] for h in hcol.tolist()]
         claim = {
-            "claim_id": uuid.uuid4().hex, "group": group, "selected": selected,
+            "claim_id": self._claim_id(members), "group": group, "selected": selected,
             "advantages": [encode_tensor(a) for a in advs],
             "unselected": [h for _, h, _ in members if h not in set(selected)],
             "members": [(h, r) for _, h, r in members], "deltas": deltas, "owner": owner,
@@ -358,6 +358,11 @@ class GroupRegistry:
         with self._claims_lock:
             self._claims[claim["claim_id"]] = claim
         return {"status": "write", **self._public(claim)}
+
+    def _claim_id(self, members) -> str:
+        """A new claim's id (also its storage commit id): random here. The Ray engine's shards derive it from
+        the members' handles, so that a group formed again by replaying a shard's log keeps its id."""
+        return uuid.uuid4().hex
 
     @staticmethod
     def _public(claim: dict) -> dict:

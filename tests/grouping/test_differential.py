@@ -64,6 +64,12 @@ def test_in_process_matches_torchrl(grouping_manager, scenario):
     opts, stream = scenario
     ours = SharedMCAdvantage(prompt_key="group_id", manager=grouping_manager, staging_dir=tempfile.mkdtemp(),
                              required_keys=MINIMAL_KEYS, shards=3, **opts)
+    assert_matches_stock(ours, opts, stream)
+
+
+def assert_matches_stock(ours: SharedMCAdvantage, opts: dict, stream) -> None:
+    """Feed ``stream`` to ``ours`` and to a stock ``MCAdvantage``: same groups out, same counters (also used
+    against the registry sharded over Ray actors, tests/ray)."""
     got = [groups_of(ours.inv(traj(u, g, r))) for u, g, r in stream]
     want, stock_stats = _stock_run(opts, stream)
     assert got == want

@@ -34,7 +34,7 @@ from rbpipe.rayengine import use_loopback  # noqa: E402
 use_loopback()  # before Ray is imported (torchrl imports it when installed): a private instance on lo only
 
 import torch  # noqa: E402
-from grouping import KEYS, make_traj, run_config  # noqa: E402
+from grouping import KEYS, run_config  # noqa: E402
 
 G = 8
 PAYLOAD = "16x64"

@@ -4,7 +4,6 @@ CI installs Ray through the ``test`` extra, so these tests run there; without Ra
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest

@@ -197,3 +197,30 @@ def test_ray_engine_options_are_checked_in_one_line(argv, words, tmp_path, capsy
     code = main(["run", "--no-progress", "--run-dir", str(tmp_path / "r"), *argv])
     one_line_error(capsys, code, 2, *words)
     assert not (tmp_path / "r").exists()
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_resume_refuses_a_checkpoint_that_is_not_tensors_and_plain_values(tmp_path, capsys):
+    """Nothing read back from disk is unpickled: a checkpoint holding an object is refused in one line, before
+    the run directory or the store is touched, and the object's code never runs."""
+    import torch
+
+    from rbpipe.config import RunConfig
+
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    run_dir.mkdir()
+    RunConfig().save(run_dir / "config.json")
+    (run_dir / "run.json").write_text(json.dumps({"store": str(tmp_path / "store")}))
+    torch.save({"step": 3, "model": {}, "extra": _RunsCodeWhenUnpickled(marker)}, run_dir / "checkpoint.pt")
+    before = sorted(p.name for p in run_dir.iterdir())
+    code = main(["run", "--no-progress", "--resume", str(run_dir)])
+    one_line_error(capsys, code, 2, "checkpoint", "plain values")
+    assert not marker.exists()
+    assert sorted(p.name for p in run_dir.iterdir()) == before and not (tmp_path / "store").exists()

@@ -149,7 +149,7 @@ def test_run_with_a_saved_model_directory_trains_that_model(custom_run):
     assert json.loads((run_dir / "config.json").read_text())["model"] == str(custom_run["model_dir"].resolve())
 
     # the learner started from the saved weights and changed them
-    trained = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+    trained = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
     builtin = build_model().state_dict()
     start = saved.state_dict()
     keys = [k for k in start if k in trained]

@@ -32,7 +32,7 @@ from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
 from workers.collector import collector_entry
-from workers.learner import METRICS, learner_entry
+from workers.learner import CHECKPOINT, METRICS, learner_entry, load_checkpoint
 from workers.serve import Service
 
 CONFIG = "config.json"
@@ -120,6 +120,8 @@ def _prepare_resume(run_dir: Path, steps: int | None) -> tuple[RunConfig, Path]:
         raise RbpipeError(f"--resume {run_dir}: no {CONFIG} there; pass the run directory printed by a "
                           "previous `rbpipe run`")
     refuse_if_running(run_dir)
+    if (run_dir / CHECKPOINT).exists():
+        load_checkpoint(run_dir / CHECKPOINT)  # one that is not tensors and plain values is refused here
     cfg = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
     if steps is not None:
         cfg.steps = steps  # extend (or shorten) the resumed run; saved once the store is ours

@@ -16,6 +16,7 @@ import torch
 from torchrl.data import ReplayBuffer
 
 from rbpipe.connect import LearnerClient
+from rbpipe.errors import RbpipeError
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.policy import build_learner_actor
@@ -35,6 +36,19 @@ def save_checkpoint(run_dir: Path, state: dict) -> None:
     tmp = run_dir / (CHECKPOINT + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, run_dir / CHECKPOINT)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """The learner's checkpoint, read as tensors and plain values only (``weights_only=True``): nothing read
+    back from disk is unpickled, so a checkpoint that holds anything else is refused, not executed."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RbpipeError(f"checkpoint {path} holds objects other than tensors and plain values ({first}); "
+                          "rbpipe writes only those: move the file away to start this run's learner afresh") from None
 
 
 def run_learner(target: str | Path, *, authkey_file: str | None = None, model: str | None = None,
@@ -69,7 +83,7 @@ def _train(client: LearnerClient) -> None:
     step = 0
     ckpt = run_dir / CHECKPOINT
     if ckpt.exists():  # resume: weights, optimizer, step, policy version, sampler position
-        state = torch.load(ckpt, weights_only=False)
+        state = load_checkpoint(ckpt)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])

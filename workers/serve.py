@@ -21,7 +21,7 @@ from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
-from workers.learner import CHECKPOINT, METRICS, truncate_metrics
+from workers.learner import CHECKPOINT, METRICS, load_checkpoint, truncate_metrics
 
 
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
@@ -61,6 +61,8 @@ class Service:
         """Start the manager, registry and coordinator; requeue what a stopped session had staged; publish
         the policy (from the checkpoint when resuming); then write ``endpoint.json``."""
         cfg = self.cfg
+        ckpt = self.run_dir / CHECKPOINT
+        checkpoint = load_checkpoint(ckpt) if ckpt.exists() else None  # a bad one is refused before anything starts
         key = new_authkey(self.run_dir)
         if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.rayengine); Ray is connected
             from rbpipe.rayengine import RayManager
@@ -89,13 +91,9 @@ class Service:
             self.weights = SharedWeights(default_weights_dir(self.run_dir) / name, numel, create=True)
             weights_spec = {"path": str(self.weights.path), "numel": numel}
         version = 0
-        ckpt = self.run_dir / CHECKPOINT
-        if ckpt.exists():  # collectors start from the checkpoint's policy *and* its version number, or their
-            import torch   # first groups look older than the resumed learner and are retired as stale
-
-            state = torch.load(ckpt, weights_only=False)
-            model.load_state_dict(state["model"])
-            version = int(state["step"])
+        if checkpoint is not None:  # collectors start from the checkpoint's policy *and* its version number, or
+            model.load_state_dict(checkpoint["model"])  # their first groups look older than the resumed learner
+            version = int(checkpoint["step"])           # and are retired as stale
         truncate_metrics(self.run_dir / METRICS, version)  # steps past the checkpoint are trained again
         self.weights.publish(model, version=version, learner_step=version)
         self.coordinator.report_learner(step=version, done=0, phase=0)

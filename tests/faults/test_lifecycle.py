@@ -119,7 +119,7 @@ def test_every_process_dies_with_the_launcher_and_resume_loses_nothing(tmp_path)
     assert f"rbpipe run --resume {run_dir}" in out
     assert not (run_dir / "store" / ".lock").exists()
     # the learner checkpointed the step it stopped at: a resume repeats nothing
-    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"] == len(steps_logged(run_dir))
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"] == len(steps_logged(run_dir))
 
     # 3. SIGKILL of the launcher alone: its children must not outlive it
     done = len(steps_logged(run_dir))

@@ -166,7 +166,7 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     committed = verify_store(run_dir / "store")
-    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     resumed = subprocess.run([sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--resume",
                               str(run_dir)], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

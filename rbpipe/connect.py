@@ -48,6 +48,11 @@ def _check_same(what: str, mine: str | None, theirs: str | None, target: str) ->
                           f"(rbpipe serve --{what} {mine})")
 
 
+def _rejected(err: BadTrajectoryError, n: int) -> BadTrajectoryError:
+    err.rejected = n  # type: ignore[attr-defined]  # how many trajectories of the call were not handed over
+    return err
+
+
 class _Attached:
     """What collectors and the learner share: the attachment, the run's config, the weights, the stop flag."""
 
@@ -147,21 +152,48 @@ class CollectorClient(_Attached):
                 raise RbpipeError("the service no longer knows this collector's lease; restart the collector")
         return unit
 
-    def extend(self, trajectory) -> None:
-        """Hand one trajectory (or a batch) over, validated exactly as ``rbpipe run``'s collectors are.
+    def extend(self, trajectories) -> None:
+        """Hand trajectories over: one (a [T] TensorDict), a [B, T] batch, or a list (e.g. a work unit's
+        responses, of any lengths) in one round trip, validated exactly as ``rbpipe run``'s collectors are.
 
-        Raises :class:`~rbpipe.errors.BadTrajectoryError` (one line; nothing of it was handed over) on bad
-        input; it is counted as rejected."""
-        pending, self._unreported_ns = self._unreported_ns, {"generate_ns": 0, "handover_ns": 0}
-        self._call("count", 1, 0, pending["generate_ns"], pending["handover_ns"])
+        Raises :class:`~rbpipe.errors.BadTrajectoryError` (one line) on bad input: the bad trajectories are
+        counted as rejected and nothing of them was handed over; the good ones of the same call were
+        (``err.rejected`` says how many were not)."""
+        transform = self.buffer.grouping_transform
+        try:
+            trajs = transform.split_trajectories(trajectories)
+        except BadTrajectoryError as err:
+            self._count(1, rejected=1)
+            raise _rejected(err, 1) from None
+        self._count(len(trajs))
         start = time.perf_counter_ns()
         try:
-            self.buffer.extend(trajectory)
-        except BadTrajectoryError:
-            self._call("count", 0, 1)
-            raise
+            self.buffer.extend(trajs)  # all or nothing: validated before any is staged
+        except BadTrajectoryError as err:
+            if len(trajs) == 1:
+                self._call("count", 0, 1)
+                raise _rejected(err, 1) from None
+            self._extend_each(trajs)  # isolate the bad ones; the good ones are still handed over
         finally:
             self._unreported_ns["handover_ns"] += time.perf_counter_ns() - start
+
+    def _extend_each(self, trajs: list) -> None:
+        errors = []
+        for traj in trajs:
+            try:
+                self.buffer.extend(traj)
+            except BadTrajectoryError as err:
+                errors.append(err)
+        self._call("count", 0, len(errors))
+        if errors:
+            raise _rejected(BadTrajectoryError(f"{len(errors)} of {len(trajs)} trajectories rejected: {errors[0]}"),
+                            len(errors))
+
+    def _count(self, produced: int, rejected: int = 0) -> None:
+        """Count trajectories as handed over *before* handing them over (a collector killed in between has
+        them counted, and the registry knows them), with the time spent since the last count."""
+        pending, self._unreported_ns = self._unreported_ns, {"generate_ns": 0, "handover_ns": 0}
+        self._call("count", produced, rejected, pending["generate_ns"], pending["handover_ns"])
 
     def add_generate_time(self, ns: int) -> None:
         """Time spent generating (reported with the next hand-over; the service sums it for the summary)."""

@@ -213,25 +213,25 @@ class Coordinator:
             leases -= dead
         self._save()
 
-    def appended(self, group, lease) -> None:
-        """(Registry hook, manager-side.) One trajectory of prompt ``group`` was appended under ``lease``."""
+    def appended(self, group, lease, n: int = 1) -> None:
+        """(Registry hook, manager-side.) ``n`` trajectories of prompt ``group`` were appended under ``lease``
+        (a unit handed over in one call: one save of the prompts still owed, not one per sample)."""
         key = (group, lease)
         with self._lock:
             left = self._units.get(key)
             if left is None:
                 return  # not a unit's sample (a user's own loop, a requeued payload)
-            if left <= 1:
+            if left <= n:
                 del self._units[key]
                 if group not in self._pool and not any(p == group for p, _ in self._units):
                     self._shares.pop(group, None)  # the prompt is handed over whole
             else:
-                self._units[key] = left - 1
+                self._units[key] = left - n
             self._save()
 
     def skip(self, lease: str, prompt: int, n: int = 1) -> None:
         """``n`` samples of the caller's unit that will never be handed over (rejected as bad input)."""
-        for _ in range(int(n)):
-            self.appended(prompt, lease)
+        self.appended(prompt, lease, int(n))
 
     def release(self, lease: str) -> None:
         """A collector (or learner) leaves cleanly: what it still owed goes back to the pool at once."""

@@ -223,12 +223,12 @@ class ShardHost:
                     return {"status": "write", **reg._public(claim), "recovered": []}
         return {"status": "queued", "recovered": []}
 
-    def _appended(self, name: str, group, owner) -> None:
+    def _appended(self, name: str, group, owner, n: int = 1) -> None:
         """Tell the coordinator (work units) about an append: batched, flushed every :data:`NOTIFY_S` by a
         thread of this actor, never waited for. One Ray call per trajectory cost the shard more than its
         grouping decision (a task submission each)."""
         with self._events_lock:
-            self._events.append((name, group, owner))
+            self._events.append((name, group, owner, n))
             if self._flusher is None:
                 import threading
 
@@ -305,11 +305,11 @@ class CoordinatorHost:
         return getattr(self.coordinators[name], method)(*args, **kwargs)
 
     def appended_many(self, events: list[tuple]) -> None:
-        """Appends the shards saw, in their order: ``[(registry name, group, owner lease), ...]``."""
-        for name, group, owner in events:
+        """Appends the shards saw, in their order: ``[(registry name, group, owner lease, count), ...]``."""
+        for name, group, owner, n in events:
             coordinator = self.coordinators.get(name)
             if coordinator is not None:
-                coordinator.appended(group, owner)
+                coordinator.appended(group, owner, n)
 
     # leases: granted here, adopted by the shards
     def lease(self) -> str:
@@ -481,6 +481,10 @@ class ShardedRegistry(_Proxy):
         self._remember(index, [result])
         self._remember(index, result.get("recovered", ()))
         return result
+
+    def _do_append_many(self, items: list[tuple], owner, reserve_rows: bool = False) -> list[dict]:
+        """Item by item, each to its group's shard (a shard logs and dedupes appends one by one)."""
+        return [self._do_append(group, handle, reward, owner, reserve_rows) for group, handle, reward in items]
 
     def _do_confirm(self, claim_id: str) -> bool:
         index = self._claim_shard.pop(claim_id, None)

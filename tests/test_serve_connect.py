@@ -286,3 +286,37 @@ def test_connect_to_a_run_dir_without_a_service_is_one_line(tmp_path):
                          timeout=60)
     assert out.returncode == 2
     assert "no endpoint.json there" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_unit_handed_over_in_one_call_keeps_its_good_trajectories_and_counts_the_bad_one(tmp_path):
+    """``client.extend(list)``: a work unit in one hand-over. A bad trajectory in it is rejected (counted, one
+    line) while the good ones are handed over; the summary's books balance."""
+    import rbpipe
+    from rbpipe.errors import BadTrajectoryError
+    from rbpipe.schema import make_trajectory
+
+    run_dir = tmp_path / "run"
+    serve = _start(["serve", "--no-progress", "--json", "--run-dir", str(run_dir), "--grpo-size", "4",
+                    "--collectors", "1"], stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: (run_dir / "endpoint.json").exists(), 120, "endpoint.json", [serve])
+        with rbpipe.connect(run_dir) as client:
+            unit = client.take()
+            assert unit == {"prompt": 0, "samples": 4}
+            trajs = [make_trajectory(group_id=0, prompt=torch.tensor([1, 2]), response=torch.tensor([3]),
+                                     rollout_log_probs=torch.tensor([-0.5]), reward=reward,
+                                     collector_id=client.collector_id, policy_version=0)
+                     for reward in (1.0, float("nan"), 0.0, 1.0)]
+            with pytest.raises(BadTrajectoryError, match="1 of 4 trajectories rejected.*not finite") as err:
+                client.extend(trajs)
+            assert err.value.rejected == 1
+            client.skip(0, err.value.rejected)
+            stats = client.buffer.grouping_transform.get_stats()
+            assert stats["queued_trajectories"] == 3  # the three good ones wait for a fourth member
+        summary = json.loads(_stop(serve))
+    finally:
+        if serve.poll() is None:
+            _kill(serve)
+    assert summary["produced"] == 4 and summary["rejected"] == 1 and summary["queued"] == 3
+    assert summary["conservation_ok"], summary

@@ -51,15 +51,16 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
             tokens, log_probs = sample_responses(policy, prompt, unit["samples"], max_new_tokens=cfg.max_new_tokens,
                                                  temperature=cfg.temperature, generator=gen)
             client.add_generate_time(time.perf_counter_ns() - started)
-            for response, lp in zip(tokens, log_probs):
-                traj = make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
-                                       reward=float(task_obj.reward(prompt, response)),
-                                       collector_id=client.collector_id, policy_version=version)
-                try:
-                    client.extend(traj)
-                except BadTrajectoryError as err:  # rejected before touching shared state: counted, not lost
-                    client.skip(index)
-                    log(f"[collector {client.collector_id}] rejected a trajectory: {err}")
+            reward = task_obj.reward
+            unit_trajs = [make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
+                                          reward=float(reward(prompt, response)), collector_id=client.collector_id,
+                                          policy_version=version)
+                          for response, lp in zip(tokens, log_probs, strict=True)]
+            try:
+                client.extend(unit_trajs)  # the whole unit in one hand-over
+            except BadTrajectoryError as err:  # rejected before touching shared state: counted, not lost
+                client.skip(index, getattr(err, "rejected", 1))
+                log(f"[collector {client.collector_id}] rejected: {err}")
     finally:
         client.close()
 

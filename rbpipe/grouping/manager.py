@@ -265,7 +265,7 @@ def call(proxy, method: str, *args, **kwargs):
         raise ManagerDiedError(
             f"the grouping manager stopped answering ({type(err).__name__}: {err}) in process {os.getpid()}; "
             "shared grouping state is gone. Restart the run (queued trajectories stay staged on disk and "
-            "are re-queued from the pending snapshot)") from err
+            "are re-queued from the staging directory when the run is resumed)") from err
 
 
 def open_registry(manager: GroupingManager, name: str, options: dict | None = None, shards: int = 16,

@@ -182,14 +182,14 @@ class _Shard:
 class GroupRegistry:
     """Shared grouping state; its public methods are what the manager proxy exposes."""
 
-    exposed = ("append", "confirm", "recover", "get_stats", "reset_stats", "clear_queues", "snapshot",
+    exposed = ("append", "append_many", "confirm", "recover", "get_stats", "reset_stats", "clear_queues", "snapshot",
                "restore", "ping", "options", "quarantine", "quarantined", "drop_reasons", "watch_temporary",
                "join_info", "lease", "renew", "release", "lease_ttl")
 
     def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
                  staging: dict | None = None, leases: LeaseTable | None = None) -> None:
         self._options = dict(options)
-        self.on_append = None  # (manager-side) called as on_append(group, owner) after each append
+        self.on_append = None  # (manager-side) on_append(group, owner, n): n samples of group were appended
         self._leases = LEASES if leases is None else leases  # the manager process's one table
         self.staging = dict(staging) if staging else None
         self._quarantine: list[dict] = []
@@ -269,6 +269,27 @@ class GroupRegistry:
 
         ``reward`` is ``(bytes, dtype, shape)`` of the trajectory's reward tensor (``shape[0]`` = steps).
         """
+        return self.append_many([(group, handle, reward)], owner, reserve_rows)[0]
+
+    def append_many(self, items: list[tuple], owner, reserve_rows: bool = False) -> list[dict]:
+        """Queue ``(group, handle, reward)`` items in order, in one round trip: a collector hands a whole work
+        unit over at once. One decision per item, exactly as :meth:`append` would give them one by one; claims
+        of dead writers come with the last."""
+        results = [self._append_one(group, handle, reward, owner, reserve_rows) for group, handle, reward in items]
+        self.renew(owner)  # every call is a heartbeat too
+        if self.on_append is not None:  # a service's coordinator: samples of work units were handed over
+            counts: dict[Any, int] = {}
+            for group, _, _ in items:
+                counts[group] = counts.get(group, 0) + 1
+            for group, n in counts.items():
+                self.on_append(group, owner, n)
+        for result in results:
+            result["recovered"] = []
+        if results:
+            results[-1]["recovered"] = self._orphans(owner)
+        return results
+
+    def _append_one(self, group, handle: str, reward: tuple, owner, reserve_rows: bool) -> dict:
         shard = self._shard(group)
         with shard.lock:
             gid = shard.group_ids.get(group)
@@ -309,10 +330,6 @@ class GroupRegistry:
                 else:
                     deltas = {name: mc._stats[name] - before[name] for name in DEFERRED}
                     result = self._new_claim(group, members, out, deltas, owner, reserve_rows)
-        self.renew(owner)  # every call is a heartbeat too
-        if self.on_append is not None:  # a service's coordinator: one sample of a work unit was handed over
-            self.on_append(group, owner)
-        result["recovered"] = self._orphans(owner)
         return result
 
     def _drop_failed(self, group, members, err: Exception) -> dict:

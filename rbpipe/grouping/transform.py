@@ -374,7 +374,10 @@ class SharedMCAdvantage(MCAdvantage):
 
     # -- splitting and validation (as MCAdvantage._inv_call, before anything is shared) --------------------------
     def split_trajectories(self, tensordict: TensorDictBase) -> list[TensorDictBase]:
-        """Whole trajectories in ``tensordict`` (a [T] trajectory, several back to back, or a [B, T] batch)."""
+        """Whole trajectories in ``tensordict`` (a [T] trajectory, several back to back, a [B, T] batch, or a list
+        of these: trajectories of different lengths, e.g. one work unit's responses, handed over together)."""
+        if isinstance(tensordict, (list, tuple)):
+            return [t for part in tensordict for t in self.split_trajectories(part)]
         if not isinstance(tensordict, TensorDictBase):
             validate_trajectory(tensordict)  # raises the schema's clear message
         if tensordict.ndim == 0:
@@ -438,9 +441,17 @@ class SharedMCAdvantage(MCAdvantage):
         """
         encoded = [(group, encode_td(traj), self._reward_message(traj))  # a leaf that cannot be staged
                    for group, traj in self.prepare(tensordict, check)]  # rejects the call before anything is queued
-        for group, data, reward in encoded:
-            handle = self.staging.put(data)
-            decision = call(self._registry, "append", group, handle, reward, self._owner(), self.reserve_rows)
+        handles: list[str] = []
+        try:
+            for _, data, _ in encoded:
+                handles.append(self.staging.put(data))
+        except BaseException:  # e.g. the disk is full: none of the call is handed over, none of it stays staged
+            self.staging.delete(handles)
+            raise
+        items = [(group, handle, reward) for (group, _, reward), handle in zip(encoded, handles, strict=True)]
+        # one round trip for the whole call (a collector's work unit), decided item by item in order
+        decisions = call(self._registry, "append_many", items, self._owner(), self.reserve_rows) if items else []
+        for decision in decisions:
             if decision["recovered"]:
                 yield from self._taken_over(decision["recovered"])
             status = decision["status"]

@@ -114,3 +114,26 @@ def test_two_spawn_writers_match_torchrl(grouping_manager, tmp_path, mode):
     assert len(storage) == sum(len(r) for *_, r in stream)  # the parent sees every row the children wrote
     assert sorted(groups_of(rows)) == sorted(x for out in want for x in out)
     _assert_stats_equal(stats, stock_stats)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(scenarios(), st.lists(st.integers(1, 5), min_size=1, max_size=8))
+def test_batched_handover_matches_torchrl(grouping_manager, scenario, chunk_sizes):
+    """A collector hands a whole work unit over in one call (``append_many``): the decisions are exactly those
+    of the same trajectories handed over one by one, in order."""
+    opts, stream = scenario
+    ours = SharedMCAdvantage(prompt_key="group_id", manager=grouping_manager, staging_dir=tempfile.mkdtemp(),
+                             required_keys=MINIMAL_KEYS, shards=3, **opts)
+    got, pos, turn = [], 0, 0
+    while pos < len(stream):
+        size = chunk_sizes[turn % len(chunk_sizes)]
+        chunk = [traj(u, g, r) for u, g, r in stream[pos:pos + size]]
+        pos, turn = pos + size, turn + 1
+        for claim in ours.process(chunk):
+            got.append(groups_of(ours.group_of(claim)))
+            ours.confirm(claim)
+    want, stock_stats = _stock_run(opts, stream)
+    assert got == [[group] for out in want for group in out]
+    _assert_stats_equal(ours.get_stats(), stock_stats)
+    assert len(ours.staging.handles()) == ours.get_stats()["queued_trajectories"]

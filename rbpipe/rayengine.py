@@ -95,7 +95,7 @@ def _get(refs, what: str = "grouping"):
 
 # -- actors ------------------------------------------------------------------------------------------------------
 #: Registry calls that change a shard's state: written to the shard's log first, replayed after a restart.
-LOGGED = ("append", "confirm", "quarantine", "reset_stats", "clear_queues", "restore")
+LOGGED = ("append", "confirm", "quarantine", "reset_stats", "clear_queues")
 
 
 @functools.lru_cache(maxsize=1)
@@ -523,37 +523,6 @@ class ShardedRegistry(_Proxy):
             for name, value in part.items():
                 total[name] = total.get(name, 0) + value
         return total
-
-    def _do_snapshot(self) -> dict:
-        snaps = self._all("snapshot")
-        merged = dict(snaps[0], queued=[], claims=[], quarantined=[], drop_reasons=self._do_drop_reasons(),
-                      stats=self._do_stats_of(snaps))
-        for snap in snaps:
-            merged["queued"].extend(snap["queued"])
-            merged["claims"].extend(snap["claims"])
-            merged["quarantined"].extend(snap["quarantined"])
-        return merged
-
-    @staticmethod
-    def _do_stats_of(snaps: list[dict]) -> dict:
-        raw = dict(snaps[0]["stats"])
-        for snap in snaps[1:]:
-            for name, value in snap["stats"].items():
-                raw[name] = max(raw[name], value) if name == "trajectory_return_max" else raw[name] + value
-        return raw
-
-    def _do_restore(self, snap: dict) -> int:
-        k = len(self._shards)
-        parts = [dict(snap, queued=[], claims=[], quarantined=[], drop_reasons={},
-                      stats={n: (v if i == 0 else (float("-inf") if n == "trajectory_return_max" else 0))
-                             for n, v in snap["stats"].items()}) for i in range(k)]
-        parts[0]["quarantined"], parts[0]["drop_reasons"] = snap.get("quarantined", []), snap.get("drop_reasons", {})
-        for group, members in snap["queued"]:
-            parts[shard_of(group, k)]["queued"].append((group, members))
-        for claim in snap["claims"]:
-            parts[shard_of(claim["group"], k)]["claims"].append(claim)
-        return sum(self._shard_get(lambda: [s.call.remote(self._name, "restore", (p,), {})
-                                            for s, p in zip(self._shards, parts)]))
 
     # -- leases: the coordinator is the authority, every shard adopts --
     def _do_lease(self) -> str:

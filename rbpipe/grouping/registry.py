@@ -182,8 +182,8 @@ class _Shard:
 class GroupRegistry:
     """Shared grouping state; its public methods are what the manager proxy exposes."""
 
-    exposed = ("append", "append_many", "confirm", "recover", "get_stats", "reset_stats", "clear_queues", "snapshot",
-               "restore", "ping", "options", "quarantine", "quarantined", "drop_reasons", "watch_temporary",
+    exposed = ("append", "append_many", "confirm", "recover", "get_stats", "reset_stats", "clear_queues",
+               "ping", "options", "quarantine", "quarantined", "drop_reasons", "watch_temporary",
                "join_info", "lease", "renew", "release", "lease_ttl")
 
     def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
@@ -500,57 +500,6 @@ class GroupRegistry:
                 shard.fields.clear()
                 shard.group_ids.clear()
         return dropped
-
-    # -- persistence -------------------------------------------------------------------------------------------
-    def snapshot(self) -> dict:
-        """Pending state (queued trajectories in arrival order, unconfirmed claims, raw counters)."""
-        queued, raw = [], {name: 0 for name in STAT_NAMES}
-        raw["trajectory_return_max"] = float("-inf")
-        for shard in self._shards:
-            with shard.lock:
-                for group, gid in shard.group_ids.items():
-                    queued.append((group, [(h, r) for _, h, r in shard.members[gid]]))
-                for name in STAT_NAMES:
-                    value = shard.mc._stats[name]
-                    raw[name] = max(raw[name], value) if name == "trajectory_return_max" else raw[name] + value
-        with self._claims_lock:
-            claims = [dict(c, owner=0) for c in self._claims.values()]
-        return {"version": 1, "options": self.options(), "queued": queued, "claims": claims, "stats": raw,
-                "rows": self._rows, "free_rows": list(self._free_rows), "quarantined": self.quarantined(),
-                "drop_reasons": self.drop_reasons()}
-
-    def restore(self, snap: dict) -> int:
-        """Re-queue a snapshot's pending trajectories (in their arrival order) and claims; returns how many."""
-        count = 0
-        for group, members in snap["queued"]:
-            shard = self._shard(group)
-            with shard.lock:
-                gid = shard.group_ids.get(group)
-                if gid is None:
-                    gid = shard.group_ids[group] = next(shard.ids)
-                    shard.members[gid] = []
-                for handle, reward in members:
-                    hidx = next(shard.hids)
-                    shard.members[gid].append((hidx, handle, reward))
-                    if len(reward) > 4 and reward[4]:
-                        shard.fields[hidx] = _fields_td(reward)
-                    shard.mc.queues[gid].append(self._skeleton(gid, hidx, reward))
-                    count += 1
-        with self._claims_lock:
-            for claim in snap["claims"]:
-                self._claims[claim["claim_id"]] = dict(claim, owner=0, since=time.monotonic())
-                count += len(claim["members"])
-        with self._shards[0].lock:
-            for name, value in snap["stats"].items():
-                self._shards[0].mc._stats[name] = value
-        with self._rows_lock:
-            self._rows = max(self._rows, int(snap.get("rows", 0)))
-            self._free_rows.extend((int(a), int(b)) for a, b in snap.get("free_rows", []))
-        with self._claims_lock:
-            self._quarantine.extend(snap.get("quarantined", []))
-            for name, value in snap.get("drop_reasons", {}).items():
-                self._reasons[name] = self._reasons.get(name, 0) + int(value)
-        return count
 
 
 _REGISTRIES: dict[str, GroupRegistry] = {}

@@ -34,7 +34,7 @@ from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.leases import ttl_from_env
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import (HANDLE, PLAIN, Staging, decode_leaves, encode_td, remove_at_exit,
+from rbpipe.grouping.staging import (PLAIN, Staging, decode_leaves, encode_td, remove_at_exit,
                                      td_from_leaves, temporary_staging_parent)
 from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
 from rbpipe.members import concat_leaves
@@ -622,33 +622,7 @@ class SharedMCAdvantage(MCAdvantage):
             return None
         return groups[0] if len(groups) == 1 else self._cat_tensordicts(groups, 0)
 
-    # -- persistence of pending queues ---------------------------------------------------------------------------
-    def pending_snapshot(self) -> dict:
-        """Everything still pending (handles + rewards in arrival order, claims, counters): save with torch.save."""
-        snap = call(self._registry, "snapshot")
-        snap["staging_dir"] = str(self.staging.path)
-        return snap
-
-    def restore_pending(self, snapshot: dict) -> int:
-        """Re-queue a snapshot into this (fresh) registry; its payloads must still be in the staging directory.
-
-        Unconfirmed claims come back ownerless: call :meth:`recover` (the buffer does) to write them.
-        """
-        handles = [h for _, members in snapshot["queued"] for h, _ in members]
-        handles += [h for claim in snapshot["claims"] for h in claim["selected"] + claim["unselected"]]
-        bad = [h for h in handles if not (isinstance(h, str) and HANDLE.fullmatch(h))]
-        if bad:
-            raise ConfigError(f"the snapshot names {len(bad)} payload(s) outside the staging directory's handle "
-                              f"form (e.g. {bad[0]!r}): not a snapshot of this run")
-        missing = [h for _, members in snapshot["queued"] for h, _ in members
-                   if not (self.staging.path / h).exists()]
-        if missing:
-            raise ConfigError(f"{len(missing)} staged payload(s) of the snapshot are missing from "
-                              f"{self.staging.path} (e.g. {missing[0]}); restore with the staging_dir the "
-                              "snapshot was taken with")
-        return call(self._registry, "restore", snapshot)
-
-
+    # -- recovery: the one path (a resumed service requeues what is staged on disk) ------------------------------
     def requeue_staged(self, skip: set[str] = frozenset()) -> tuple[list[Claim], int, int]:
         """After a crash: hand every trajectory still staged on disk to the registry again.
 

@@ -402,7 +402,7 @@ class SharedMCAdvantage(MCAdvantage):
             return list(tensordict.split(sizes))
         return [tensordict]
 
-    def _group_of(self, traj: TensorDictBase):
+    def _group_key(self, traj: TensorDictBase):
         group = traj.get(self.prompt_key, None)
         if isinstance(group, torch.Tensor) and not isinstance(group, TensorDictBase) and group.ndim:
             view = numpy_view(group)
@@ -429,7 +429,7 @@ class SharedMCAdvantage(MCAdvantage):
                                 done_key=self.done_key)
             if check is not None:
                 check(traj)
-            out.append((self._group_of(traj), traj))
+            out.append((self._group_key(traj), traj))
         return out
 
     # -- the write path ------------------------------------------------------------------------------------------
@@ -642,7 +642,7 @@ class SharedMCAdvantage(MCAdvantage):
             handle = path.relative_to(self.staging.path).as_posix()
             try:
                 traj = self.staging.load(handle)
-                group = self._group_of(traj)
+                group = self._group_key(traj)
                 reward = self._reward_message(traj)
             except Exception:  # noqa: BLE001 - a torn or foreign file
                 os.replace(path, path.with_name(path.name + ".torn"))

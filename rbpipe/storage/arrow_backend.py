@@ -21,7 +21,7 @@ from rbpipe.fsutil import atomic_write, file_lock
 from rbpipe.procs import pid_alive
 from rbpipe.storage.backend import Backend, writer_id
 from rbpipe.storage.format import SEGMENTS_DIR
-from rbpipe.storage.layout import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
+from rbpipe.storage.columns import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
 from rbpipe.storage.retention import BLOCK, owner_alive, roll_bytes
 
 SEALED = ".arrows"
@@ -281,7 +281,7 @@ class ArrowBackend(Backend):
         return v
 
     def gather(self, block, local_rows, keys=None) -> dict:
-        """Columns of ``local_rows`` of one batch; ragged columns as (flat values, shapes) (layout.py)."""
+        """Columns of ``local_rows`` of one batch; ragged columns as (flat values, shapes) (columns.py)."""
         if block is None:
             return empty_columns(self.schema.columns)
         rows = np.asarray(local_rows)

@@ -15,7 +15,7 @@ probing methods with ``hasattr``:
 * ``whole_tables``: :meth:`Backend.whole_table` returns a block's decoded columns as one contiguous table,
   so that whole sampled groups are copied by ``gather.concat_tables`` in one parallel loop.
 
-Columns, as ``layout.py`` defines them: a fixed column is one ``[rows, *shape]`` array; a ragged column is
+Columns, as ``columns.py`` defines them: a fixed column is one ``[rows, *shape]`` array; a ragged column is
 ``(flat values, shapes)`` per gather and ``(flat values, offsets, shapes)`` in a whole table.
 """
 
@@ -34,7 +34,7 @@ from rbpipe.errors import StoreError
 from rbpipe.storage.ledger import LedgerEvents
 
 if TYPE_CHECKING:
-    from rbpipe.storage.layout import GroupColumns
+    from rbpipe.storage.columns import GroupColumns
     from rbpipe.storage.ledger import Ledger
 
 

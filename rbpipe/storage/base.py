@@ -28,7 +28,7 @@ from rbpipe.storage.collate import register_default_collate
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict
 from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
-from rbpipe.storage.layout import Schema, from_storage_np, key_tuple, take_ragged
+from rbpipe.storage.columns import Schema, from_storage_np, key_tuple, take_ragged
 from rbpipe.storage.ledger import Ledger
 
 NestedKey = Any
@@ -198,7 +198,7 @@ class GroupStorage(Storage):
         """torchrl writer entry point. The store is append-only: only the rows right after the last one may
         be written (one new group); any other position (a slice included) is refused before anything is
         written, since silently appending would put the data somewhere the caller did not ask for."""
-        from rbpipe.storage.layout import check_group
+        from rbpipe.storage.columns import check_group
 
         data = check_group(data)
         n = len(self)

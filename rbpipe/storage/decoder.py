@@ -25,7 +25,7 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from rbpipe.errors import SchemaError, StoreError
 from rbpipe.storage.gather import pad_ragged
 from rbpipe.members import jagged_tensor
-from rbpipe.storage.layout import Schema, decode_texts, from_storage_np, row_elements
+from rbpipe.storage.columns import Schema, decode_texts, from_storage_np, row_elements
 
 RAGGED_LAYOUTS = ("rows", "padded", "nested")
 

@@ -126,7 +126,7 @@ class Ledger:
         for rec in records:
             kind = rec.get("t")
             if kind == "schema" and self.schema is None:
-                from rbpipe.storage.layout import Schema  # torch: only where a store is opened for data
+                from rbpipe.storage.columns import Schema  # torch: only where a store is opened for data
 
                 self.schema = Schema.from_json(rec["schema"])
                 ev.on_schema(self.schema)

@@ -106,7 +106,7 @@ def _transform(manager, tmp_path, name: str = "leases") -> SharedMCAdvantage:
 
 def _append_as(t: SharedMCAdvantage, owner, td) -> dict:
     handle = t.staging.put(td)
-    return call(t._registry, "append", t._group_of(td), handle, encode_tensor(td.get(("next", "reward"))), owner,
+    return call(t._registry, "append", t._group_key(td), handle, encode_tensor(td.get(("next", "reward"))), owner,
                 False)
 
 

@@ -32,7 +32,7 @@ def test_group_id_is_the_first_steps_value_whatever_its_dtype(group):
     done[-1] = True
     first = group[0].detach()
     expected = first.item() if first.numel() == 1 else tuple(first.reshape(-1).tolist())
-    got = SharedMCAdvantage._group_of(_SELF, _trajectory(group, done))
+    got = SharedMCAdvantage._group_key(_SELF, _trajectory(group, done))
     assert got == expected and type(got) is type(expected)
 
 

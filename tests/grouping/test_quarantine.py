@@ -50,7 +50,7 @@ def _append_as(transform, pid: int, td) -> dict:
     """What a writer process ``pid`` does before it writes: stage, then one manager call."""
     handle = transform.staging.put(td)
     reward = encode_tensor(td.get(("next", "reward")))
-    return call(transform._registry, "append", transform._group_of(td), handle, reward, pid, False)
+    return call(transform._registry, "append", transform._group_key(td), handle, reward, pid, False)
 
 
 def _assert_quarantined(transform, reason: str) -> None:

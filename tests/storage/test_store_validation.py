@@ -17,7 +17,7 @@ from rbpipe.errors import SchemaError, StoreError
 from rbpipe.storage import ArrowStorage, ZarrStorage, collate_identity, open_storage, read_catalog
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.storage.format import COMMIT_LOG
-from rbpipe.storage.layout import Schema
+from rbpipe.storage.columns import Schema
 
 BACKENDS = [ArrowStorage, ZarrStorage]
 

@@ -362,7 +362,8 @@ def _ray_context(cfg: RunConfig, ray: dict):
     resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})
     entries = {collector_entry: functools.partial(run_collector, announce=False),
                learner_entry: functools.partial(run_learner, announce=False)}
-    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), resources=resources)
+    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), resources=resources,
+                      learner_restarts=cfg.max_restarts)
 
 
 def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
@@ -409,6 +410,8 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
                 return "done"
             if stop_request.requested:
                 return "interrupted" if workers else "stopped"
+            if learner is not None and hasattr(learner.process, "poll_restarts"):
+                _note_learner_restarts(learner, pids, run_dir, ctx, cfg, log)
             if learner is not None and not learner.process.is_alive():
                 if service.status()["learner"]["done"]:  # it reported done and left between the two checks
                     return "done"
@@ -458,6 +461,21 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
         bar.set_description(WRITING_SUMMARY, refresh=False)
         bar.refresh()
         bar.close()
+
+
+def _note_learner_restarts(learner: Worker, pids: dict, run_dir: Path, ctx, cfg: RunConfig, log) -> None:
+    """``--engine ray``: Ray restarts the learner's actor itself, which resumes from the latest checkpoint; the
+    run goes on. Note each restart (summary, ``pids.json``, ``ray_workers.json``)."""
+    seen = learner.process.poll_restarts()
+    if seen <= learner.restarts:
+        return
+    learner.exits.extend(["restarted by Ray"] * (seen - learner.restarts))
+    learner.restarts = seen
+    log(f"learner actor restarted by Ray ({seen}/{cfg.max_restarts}): it resumes from its last checkpoint")
+    pids["learner"] = learner.process.pid
+    write_pids(run_dir, pids)
+    if ctx is not None and getattr(ctx, "namespace", None):
+        atomic_write_json(run_dir / RAY_WORKERS, {"namespace": ctx.namespace, "workers": ctx.placed})
 
 
 def _stall_report(status: dict, idle_s: float) -> str:
@@ -540,6 +558,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
         "timing": timing_summary(records),
         "stale_trajectories": int(final.get("learner", {}).get("stale_trajectories", 0)),
         "restarts": sum(w.restarts for w in workers[1:]),
+        "learner_restarts": workers[0].restarts if workers else 0,  # --engine ray: Ray restarted its actor
+        "learner_start_step": int(final.get("learner", {}).get("start_step", 0)),  # its last (re)start
         "worker_exits": {w.name: w.exits for w in workers if w.exits},
         "duration_s": round(time.time() - t0, 2),
         "store": str(store), "run_dir": str(run_dir), "plot": str(plot) if plot else None,

@@ -21,7 +21,7 @@ from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
-from workers.learner import CHECKPOINT, METRICS, truncate_metrics
+from workers.learner import METRICS, load_checkpoint, truncate_metrics
 
 
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
@@ -89,11 +89,9 @@ class Service:
             self.weights = SharedWeights(default_weights_dir(self.run_dir) / name, numel, create=True)
             weights_spec = {"path": str(self.weights.path), "numel": numel}
         version = 0
-        ckpt = self.run_dir / CHECKPOINT
-        if ckpt.exists():  # collectors start from the checkpoint's policy *and* its version number, or their
-            import torch   # first groups look older than the resumed learner and are retired as stale
-
-            state = torch.load(ckpt, weights_only=False)
+        state = load_checkpoint(self.run_dir)
+        if state is not None:  # collectors start from the checkpoint's policy *and* its version number, or their
+            # first groups look older than the resumed learner and are retired as stale
             model.load_state_dict(state["model"])
             version = int(state["step"])
         truncate_metrics(self.run_dir / METRICS, version)  # steps past the checkpoint are trained again

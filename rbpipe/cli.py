@@ -131,6 +131,9 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--min-groups-to-sample", type=int,
                    help="rate limiter: fresh groups the learner waits for before a step (default: groups-per-step)")
     g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    g.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                   help="learner steps between checkpoints (RUN_DIR/checkpoint.pt): where --resume and a learner "
+                        "actor restarted by Ray continue from")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("loss")
     g.add_argument("--loss", choices=["grpo", "dapo", "cispo"], default="grpo", help="policy objective")
@@ -311,7 +314,8 @@ def run_config(args, given: set[str]):
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         max_lead_groups=args.max_lead_groups, samples_per_insert=args.samples_per_insert,
         min_groups_to_sample=args.min_groups_to_sample,
-        micro_batches=args.micro_batches, seed=args.seed, loss=loss, logger=args.logger,
+        micro_batches=args.micro_batches, checkpoint_every=args.checkpoint_every, seed=args.seed, loss=loss,
+        logger=args.logger,
         **({"task": args.task} if args.task is not None else {}),
         model=str(args.model) if args.model is not None else None)
 

@@ -40,7 +40,7 @@ class RunConfig:
     max_lead_groups: int | None = None  # collectors' lead over the learner; default keeps data within the lag
     samples_per_insert: float = 1.0  # rate limiter (rbpipe.rate_limit): groups resolved per group inserted
     min_groups_to_sample: int | None = None  # rate limiter's minimum size to sample; default groups_per_step
-    checkpoint_every: int = 10
+    checkpoint_every: int = 10  # learner steps between checkpoints (a resumed or restarted learner starts there)
     target_reward: float | None = 0.9  # stop once the last 10 steps average at least this (None: run all steps)
     loss: dict[str, Any] = field(default_factory=dict)  # LossConfig keyword arguments
     logger: str = "csv"  # torchrl logger of the per-step metrics: csv | tensorboard | wandb | mlflow
@@ -70,7 +70,7 @@ class RunConfig:
                               f"({self.grpo_size})")
         if self.selector not in ("first", "uniform", "balanced"):
             raise ConfigError(f"--selector must be first, uniform or balanced, got {self.selector!r}")
-        for name in ("steps", "groups_per_step", "max_new_tokens", "micro_batches"):
+        for name in ("steps", "groups_per_step", "max_new_tokens", "micro_batches", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_policy_lag < 0:

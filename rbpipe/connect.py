@@ -232,6 +232,8 @@ class LearnerClient(_Attached):
     Args:
         target: as for :class:`CollectorClient`.
         task, model: only checked against the service's.
+        wait_for_role: this learner replaces one that died: wait (up to two lease times to live) for the dead
+            one's lease to expire rather than being refused the role at once.
 
     Example (``workers/learner.py`` is the whole loop)::
 
@@ -243,13 +245,19 @@ class LearnerClient(_Attached):
     """
 
     def __init__(self, target: str | Path, *, authkey_file: str | None = None, task: str | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, wait_for_role: bool = False) -> None:
         super().__init__(target, authkey_file, task, model)
         from rbpipe.grouping.transform import ProcessLease
 
         self._lease = ProcessLease(self.attachment.registry)
         self.lease = self._lease.token_now()
         problem = self._call("claim_learner", self.lease)
+        if problem and wait_for_role:  # a learner that replaces a dead one (a learner actor restarted by Ray):
+            # the dead one's lease, no longer renewed, holds the role until it expires (one time to live)
+            deadline = time.monotonic() + 2 * float(call(self.attachment.registry, "lease_ttl")) + 1.0
+            while problem and time.monotonic() < deadline:
+                time.sleep(0.2)
+                problem = self._call("claim_learner", self.lease)
         if problem:
             self._lease.release()
             raise RbpipeError(problem)

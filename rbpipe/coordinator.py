@@ -31,7 +31,7 @@ from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 PROMPTS = "prompts.json"
 #: learner fields a learner may report (all ints but ``phase``/``busy``): unknown names are refused
 LEARNER_FIELDS = ("step", "done", "phase", "consumed_groups", "stale_groups", "stale_trajectories",
-                  "sample_blocked_ns")
+                  "sample_blocked_ns", "start_step")  # start_step: the checkpoint step the learner started from
 
 
 class Coordinator:

@@ -32,7 +32,7 @@ from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
 from workers.collector import collector_entry
-from workers.learner import CHECKPOINT, METRICS, learner_entry, load_checkpoint
+from workers.learner import METRICS, learner_entry, load_checkpoint
 from workers.serve import Service
 
 CONFIG = "config.json"
@@ -120,8 +120,7 @@ def _prepare_resume(run_dir: Path, steps: int | None) -> tuple[RunConfig, Path]:
         raise RbpipeError(f"--resume {run_dir}: no {CONFIG} there; pass the run directory printed by a "
                           "previous `rbpipe run`")
     refuse_if_running(run_dir)
-    if (run_dir / CHECKPOINT).exists():
-        load_checkpoint(run_dir / CHECKPOINT)  # one that is not tensors and plain values is refused here
+    load_checkpoint(run_dir)  # one that is not tensors and plain values is refused here, before anything is touched
     cfg = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
     if steps is not None:
         cfg.steps = steps  # extend (or shorten) the resumed run; saved once the store is ours
@@ -364,7 +363,8 @@ def _ray_context(cfg: RunConfig, ray: dict):
     resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})
     entries = {collector_entry: functools.partial(run_collector, announce=False),
                learner_entry: functools.partial(run_learner, announce=False)}
-    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), resources=resources)
+    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), resources=resources,
+                      learner_restarts=cfg.max_restarts)
 
 
 def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
@@ -411,6 +411,8 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
                 return "done"
             if stop_request.requested:
                 return "interrupted" if workers else "stopped"
+            if learner is not None and hasattr(learner.process, "poll_restarts"):
+                _note_learner_restarts(learner, pids, run_dir, ctx, cfg, log)
             if learner is not None and not learner.process.is_alive():
                 if service.status()["learner"]["done"]:  # it reported done and left between the two checks
                     return "done"
@@ -460,6 +462,21 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
         bar.set_description(WRITING_SUMMARY, refresh=False)
         bar.refresh()
         bar.close()
+
+
+def _note_learner_restarts(learner: Worker, pids: dict, run_dir: Path, ctx, cfg: RunConfig, log) -> None:
+    """``--engine ray``: Ray restarts the learner's actor itself, which resumes from the latest checkpoint; the
+    run goes on. Note each restart (summary, ``pids.json``, ``ray_workers.json``)."""
+    seen = learner.process.poll_restarts()
+    if seen <= learner.restarts:
+        return
+    learner.exits.extend(["restarted by Ray"] * (seen - learner.restarts))
+    learner.restarts = seen
+    log(f"learner actor restarted by Ray ({seen}/{cfg.max_restarts}): it resumes from its last checkpoint")
+    pids["learner"] = learner.process.pid
+    write_pids(run_dir, pids)
+    if ctx is not None and getattr(ctx, "namespace", None):
+        atomic_write_json(run_dir / RAY_WORKERS, {"namespace": ctx.namespace, "workers": ctx.placed})
 
 
 def _stall_report(status: dict, idle_s: float) -> str:
@@ -542,6 +559,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
         "timing": timing_summary(records),
         "stale_trajectories": int(final.get("learner", {}).get("stale_trajectories", 0)),
         "restarts": sum(w.restarts for w in workers[1:]),
+        "learner_restarts": workers[0].restarts if workers else 0,  # --engine ray: Ray restarted its actor
+        "learner_start_step": int(final.get("learner", {}).get("start_step", 0)),  # its last (re)start
         "worker_exits": {w.name: w.exits for w in workers if w.exits},
         "duration_s": round(time.time() - t0, 2),
         "store": str(store), "run_dir": str(run_dir), "plot": str(plot) if plot else None,

@@ -17,6 +17,7 @@ from torchrl.data import ReplayBuffer
 
 from rbpipe.connect import LearnerClient
 from rbpipe.errors import RbpipeError
+from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.policy import build_learner_actor
@@ -32,33 +33,40 @@ METRICS = "metrics.jsonl"
 
 
 def save_checkpoint(run_dir: Path, state: dict) -> None:
-    """Write-then-rename: a crash leaves the previous checkpoint intact."""
-    tmp = run_dir / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, run_dir / CHECKPOINT)
+    """Write-then-rename (:func:`rbpipe.fsutil.atomic_write`, fsynced): a crash leaves the previous checkpoint
+    intact."""
+    atomic_write(run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
 
-def load_checkpoint(path: Path) -> dict:
-    """The learner's checkpoint, read as tensors and plain values only (``weights_only=True``): nothing read
-    back from disk is unpickled, so a checkpoint that holds anything else is refused, not executed."""
+def load_checkpoint(run_dir: Path) -> dict | None:
+    """The run's latest checkpoint (``None`` if there is none yet): tensors, numbers, lists and dicts only
+    (``weights_only=True``: nothing else is unpickled). ``--resume`` (the service publishes its policy and
+    version) and a learner that attaches to a run with a checkpoint (a resumed run, or a learner actor that
+    Ray restarted) both start from it."""
     import pickle
 
+    ckpt = Path(run_dir) / CHECKPOINT
+    if not ckpt.exists():
+        return None
     try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as err:
+        return torch.load(ckpt, weights_only=True)
+    except pickle.UnpicklingError as err:  # refused, not executed
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RbpipeError(f"checkpoint {path} holds objects other than tensors and plain values ({first}); "
+        raise RbpipeError(f"checkpoint {ckpt} holds objects other than tensors and plain values ({first}); "
                           "rbpipe writes only those: move the file away to start this run's learner afresh") from None
 
 
 def run_learner(target: str | Path, *, authkey_file: str | None = None, model: str | None = None,
-                task: str | None = None, log=print, announce: bool = True) -> None:
-    """Attach to the service at ``target`` as its learner and train until its ``steps`` (or target reward)."""
+                task: str | None = None, log=print, announce: bool = True, restarted: bool = False) -> None:
+    """Attach to the service at ``target`` as its learner and train until its ``steps`` (or target reward).
+
+    ``restarted``: this process replaces a learner that died (a learner actor restarted by Ray): it waits for
+    the dead one's lease to expire instead of being refused the learner role, then resumes from the checkpoint."""
     torch.set_num_threads(1)
-    client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task)
+    client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task, wait_for_role=restarted)
     try:
-        if announce:
-            log(f"[learner] attached to {client.run_dir}")
+        if announce or restarted:
+            log(f"[learner] {'restarted: re-attached' if restarted else 'attached'} to {client.run_dir}")
         _train(client)
     finally:
         client.close()
@@ -81,18 +89,18 @@ def _train(client: LearnerClient) -> None:
     buffer = ReplayBuffer(storage=storage, sampler=sampler, batch_size=cfg.groups_per_step * cfg.grpo_size,
                           collate_fn=collate_identity)
     step = 0
-    ckpt = run_dir / CHECKPOINT
-    if ckpt.exists():  # resume: weights, optimizer, step, policy version, sampler position
-        state = load_checkpoint(ckpt)
+    state = load_checkpoint(run_dir)
+    if state is not None:  # resume: weights, optimizer, step, policy version, sampler position
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
-        step = state["step"]
+        step = int(state["step"])
         if ref_actor is not None and "ref_model" in state:
             ref_actor.model.load_state_dict(state["ref_model"])
+        truncate_metrics(run_dir / METRICS, step)  # steps past it are trained again (a restarted learner's too)
     sampler.consumer_version = step
     client.publish(model, step)
-    client.report(step=step, phase=LEARNER_COMPILING, done=0)
+    client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0)
     _publish_progress(client, sampler)
     parallel_available()  # compile (or load from numba's disk cache) the group-copy kernels in their own phase
     client.report(phase=LEARNER_READY)

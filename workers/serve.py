@@ -21,7 +21,7 @@ from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
-from workers.learner import CHECKPOINT, METRICS, load_checkpoint, truncate_metrics
+from workers.learner import METRICS, load_checkpoint, truncate_metrics
 
 
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
@@ -61,8 +61,7 @@ class Service:
         """Start the manager, registry and coordinator; requeue what a stopped session had staged; publish
         the policy (from the checkpoint when resuming); then write ``endpoint.json``."""
         cfg = self.cfg
-        ckpt = self.run_dir / CHECKPOINT
-        checkpoint = load_checkpoint(ckpt) if ckpt.exists() else None  # a bad one is refused before anything starts
+        checkpoint = load_checkpoint(self.run_dir)  # a bad one is refused before anything starts
         key = new_authkey(self.run_dir)
         if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.rayengine); Ray is connected
             from rbpipe.rayengine import RayManager

@@ -144,3 +144,45 @@ def _try_pid(actor):
         return ray.get(actor.pid.remote(), timeout=5)
     except Exception:  # noqa: BLE001 - restarting
         return None
+
+
+@pytest.mark.timeout(300)
+def test_learner_actor_killed_and_restarted_by_ray_resumes_from_its_checkpoint(ray_cluster, tmp_path):
+    """Ray restarts a killed learner actor (``max_restarts``) and re-runs its loop (``max_task_retries``): the new
+    incarnation waits out the dead one's lease, claims the learner role, loads the latest checkpoint (model,
+    optimizer, sampler, step, weights version) and trains on to the step cap. The run does not stop; every step
+    is logged once, nothing is lost, torn or stored twice."""
+    import ray
+    import torch
+
+    cluster, _ = ray_cluster
+    run_dir = tmp_path / "run"
+    at_kill: dict = {}
+
+    def kill_learner(_proc) -> None:
+        namespace = json.loads((run_dir / "ray_workers.json").read_text())["namespace"]
+        learner = ray.get_actor("learner-0", namespace=namespace)
+        at_kill["checkpoint_step"] = torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"]
+        at_kill["pid"] = ray.get(learner.info.remote())["pid"]
+        ray.kill(learner, no_restart=False)
+        at_kill["steps"] = _steps_done(run_dir)
+
+    started = time.monotonic()
+    cmd = ray_run_cmd(cluster.address, run_dir, "--checkpoint-every", "3", steps=8)
+    summary = _run_with_fault(cmd, run_dir, 4, "checkpoint.pt", kill_learner)  # killed between checkpoints
+    resumed = summary["learner_start_step"]
+    print(f"learner killed after {at_kill['steps']} steps (checkpoint at step {at_kill['checkpoint_step']}), "
+          f"resumed from step {resumed}, finished at {summary['learner_steps']} in {time.monotonic() - started:.0f}s")
+    _check_summary(summary, 8)
+    assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0  # no collector died
+    assert summary["learner_restarts"] == 1
+    assert summary["worker_exits"]["learner"] == ["restarted by Ray"]
+    # resumed from a checkpoint (every 3 steps), not from 0: the one it read, or a later one written before the kill
+    assert at_kill["checkpoint_step"] >= 3 and at_kill["checkpoint_step"] <= resumed <= at_kill["steps"] + 1
+    assert resumed % 3 == 0 and resumed < 8
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9)), steps  # steps after the checkpoint trained again, each logged once
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"] == 8
+    placed = [w for w in json.loads((run_dir / "ray_workers.json").read_text())["workers"] if w["worker"] == "learner"]
+    assert len(placed) == 1 and placed[0]["pid"] != at_kill["pid"]  # the same actor, a new process
+    check_store(run_dir, summary)

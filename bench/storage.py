@@ -108,6 +108,7 @@ _TEMP_DIRS: list[str] = []  # every store this run made; removed when it ends
 def make_storage(backend: str, workload: str, total: int):
     """A fresh, empty storage of ``backend`` in a new temporary directory."""
     from torchrl.data import LazyMemmapStorage, LazyTensorStorage
+
     from rbpipe.storage import ArrowStorage, ZarrStorage
     tmp = tempfile.mkdtemp(prefix=f"rbpipe-bench-{backend}-")
     _TEMP_DIRS.append(tmp)

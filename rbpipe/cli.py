@@ -8,8 +8,8 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from rbpipe.errors import ConfigError, RbpipeError
 

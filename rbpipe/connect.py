@@ -18,8 +18,8 @@ import torch
 
 from rbpipe.config import RunConfig
 from rbpipe.endpoint import REGISTRY_NAME, Attachment, attach
-from rbpipe.grouping.manager import call
 from rbpipe.errors import BadTrajectoryError, ConfigError, RbpipeError, StoreError
+from rbpipe.grouping.manager import call
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.task_spec import normalize_spec
@@ -187,7 +187,7 @@ class CollectorClient(_Attached):
         self.buffer.grouping_transform.close()
         self.storage.close()
 
-    def __enter__(self) -> "CollectorClient":
+    def __enter__(self) -> CollectorClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Union
 
 #: what :func:`atomic_write` writes: bytes, or a function that writes the temporary file at the path given
 Content = Union[bytes, str, Callable[[str], None]]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import textwrap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 #: what ``rbpipe query --help`` says about the two views (a test checks it names every column of a run's store)
 VIEWS_HELP = """\

@@ -9,7 +9,8 @@ accept (``rbpipe.storage.protocol.GroupStore.accepts_jagged``) and write as chea
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict

@@ -124,7 +124,7 @@ class MetricsSink:
             for f in getattr(experiment, "files", {}).values():
                 f.close()
 
-    def __enter__(self) -> "MetricsSink":
+    def __enter__(self) -> MetricsSink:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -130,7 +130,7 @@ def build_learner_actor(model: torch.nn.Module, tokenizer: Any = None):
 
 
 @torch.no_grad()
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_arg(model_cls: type) -> str:
     """transformers >= 5.x names the KV cache argument ``cache`` (``past_key_values`` warns); older: the latter.
     Looked up once per model class, not once per prompt."""

@@ -10,7 +10,8 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import multiprocess
 import multiprocess.context

@@ -587,7 +587,7 @@ class RayManager:
 
     @classmethod
     def start(cls, *, shards: int = 1, ttl_s: float | None = None, namespace: str | None = None,
-              prefix: str | None = None, log_dir: str | None = None, shard_restarts: int = 3) -> "RayManager":
+              prefix: str | None = None, log_dir: str | None = None, shard_restarts: int = 3) -> RayManager:
         """Create the coordinator and ``shards`` shard actors (0 CPUs each; placed by Ray) and wait for them.
         Their names (``<prefix>rbpipe-coordinator``, ``<prefix>rbpipe-shard-<i>``) are unique per service.
         ``log_dir``: where the shards log their state changes (``<log_dir>/<prefix>shards/``); with it, Ray
@@ -616,7 +616,7 @@ class RayManager:
         return cls(ns, prefix, coordinator, hosts, owner=True, restart_wait_s=RESTART_WAIT_S if restarts else 0.0)
 
     @classmethod
-    def connect(cls, spec: dict) -> "RayManager":
+    def connect(cls, spec: dict) -> RayManager:
         """Join the actors a service started (``spec``: :meth:`spec`, from ``endpoint.json``)."""
         host = str(spec["address"]).rsplit(":", 1)[0]
         if host.startswith("127.") or host in ("localhost", "::1"):
@@ -855,7 +855,7 @@ class RaySession:
         self.namespace = namespace or f"rbpipe-{uuid.uuid4().hex[:10]}"
         self._owned = False
 
-    def start(self) -> "RaySession":
+    def start(self) -> RaySession:
         if self.address is None:
             use_loopback()
         try:

@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from rbpipe.policy import PolicyConfig, build_model, build_tokenizer
-from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, ROLLOUT_LOG_PROBS_KEY, VERSION_KEY
+from rbpipe.schema import (
+    GROUP_KEY,
+    PROMPT_TOKENS_KEY,
+    RESPONSE_TOKENS_KEY,
+    REWARD_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+    VERSION_KEY,
+)
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "1",
        "--groups-per-step", "2", "--grpo-size", "4"]

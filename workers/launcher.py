@@ -19,15 +19,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-
 from rbpipe.config import RunConfig
 from rbpipe.connect import check_store_path, open_run_store
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
-from rbpipe.progress import LEARNER_READY, STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
 from rbpipe.procs import quiet_killed_worker_trackers, quiet_spawn_context, same_process_alive, start_time
-from rbpipe.report import (PLOT, SUMMARY, MetricsTail, first_last_fraction, last_mean, plot_rewards, read_metrics,
-                           summary_table, timing_summary)
+from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix
+from rbpipe.progress import SUMMARY as WRITING_SUMMARY
+from rbpipe.report import (
+    PLOT,
+    SUMMARY,
+    MetricsTail,
+    first_last_fraction,
+    last_mean,
+    plot_rewards,
+    read_metrics,
+    summary_table,
+    timing_summary,
+)
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
@@ -149,7 +158,7 @@ class StopRequest:
         self.signals: list[str] = []
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         import threading
 
         if threading.current_thread() is not threading.main_thread():

@@ -5,8 +5,8 @@ It reads the store (not the collectors): whatever was committed is trainable, in
 
 from __future__ import annotations
 
-import functools
 import copy
+import functools
 import json
 import os
 import time
@@ -22,9 +22,9 @@ from rbpipe.policy import build_learner_actor
 from rbpipe.procs import run_worker
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.sampling import FreshGroupSampler
+from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage import collate_identity
 from rbpipe.storage.gather import parallel_available
-from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"

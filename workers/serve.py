@@ -91,7 +91,7 @@ class Service:
         version = 0
         ckpt = self.run_dir / CHECKPOINT
         if ckpt.exists():  # collectors start from the checkpoint's policy *and* its version number, or their
-            import torch   # first groups look older than the resumed learner and are retired as stale
+            import torch  # first groups look older than the resumed learner and are retired as stale
 
             state = torch.load(ckpt, weights_only=False)
             model.load_state_dict(state["model"])

@@ -21,9 +21,10 @@ import threading
 import uuid
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,10 +35,18 @@ from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.leases import ttl_from_env
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import (HANDLE, PLAIN, Staging, decode_leaves, encode_td, remove_at_exit,
-                                     td_from_leaves, temporary_staging_parent)
-from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
+from rbpipe.grouping.staging import (
+    HANDLE,
+    PLAIN,
+    Staging,
+    decode_leaves,
+    encode_td,
+    remove_at_exit,
+    td_from_leaves,
+    temporary_staging_parent,
+)
 from rbpipe.members import concat_leaves
+from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
 
 
 def selector_fields(selector: MCAdvantageSelector) -> tuple[tuple[str, ...], ...]:

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass
 
 from rbpipe.errors import ConfigError
-from rbpipe.loss.functional import (AGG_ALIASES, AGG_MODES, IS_LEVELS, IS_MODES, KL_KINDS, POLICY_KINDS,
-                                    validate_bounds)
+from rbpipe.loss.functional import AGG_ALIASES, AGG_MODES, IS_LEVELS, IS_MODES, KL_KINDS, POLICY_KINDS, validate_bounds
 
 _DEFAULT_EPS = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "cispo": (0.2, 0.28)}
 DEFAULT_DUAL_CLIP = 3.0

@@ -15,8 +15,7 @@ from torchrl.objectives.llm import DAPO, CISPOLoss, GRPOLoss
 
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.loss.config import LossConfig
-from rbpipe.loss.functional import (aggregate, kl_penalty, policy_loss, rollout_importance_weights,
-                                    train_policy_metrics)
+from rbpipe.loss.functional import aggregate, kl_penalty, policy_loss, rollout_importance_weights, train_policy_metrics
 from rbpipe.loss.metrics import MetricsAccumulator
 
 ROLLOUT_FULL_KEY = ("log_probs", "rollout_full")

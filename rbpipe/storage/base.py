@@ -12,8 +12,9 @@ numbered by *position* among the live groups in commit order (see ``ledger.Ledge
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +22,7 @@ from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.errors import SchemaError, StaleReadError, StoreError
-from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
-                           VERSION_KEY)
+from rbpipe.schema import ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage.backend import Backend, write_error
 from rbpipe.storage.collate import register_default_collate
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict

@@ -23,8 +23,8 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rbpipe.errors import SchemaError, StoreError
-from rbpipe.storage.gather import pad_ragged
 from rbpipe.members import jagged_tensor
+from rbpipe.storage.gather import pad_ragged
 from rbpipe.storage.layout import Schema, decode_texts, from_storage_np, row_elements
 
 RAGGED_LAYOUTS = ("rows", "padded", "nested")

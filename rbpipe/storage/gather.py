@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

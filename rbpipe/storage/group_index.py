@@ -7,7 +7,7 @@ and only a ``move`` record (compaction, rare) rebuilds the block columns.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

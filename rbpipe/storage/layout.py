@@ -8,8 +8,9 @@ so the schema rules (and their :class:`SchemaError` messages) are the same every
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,6 @@ from tensordict.utils import is_non_tensor
 from rbpipe.errors import NotAGroupError, SchemaError
 from rbpipe.members import _NestedTensor, jagged_tensor  # noqa: F401 - jagged_tensor: re-exported
 from rbpipe.schema import numpy_view
-
 
 NestedKey = Any
 
@@ -107,7 +107,7 @@ class Column:
                 "shape": None if self.shape is None else list(self.shape), "ndim": self.ndim}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Column":
+    def from_json(cls, d: dict) -> Column:
         return cls(tuple(d["key"]), d["dtype"], None if d["shape"] is None else tuple(d["shape"]), d["ndim"])
 
 
@@ -124,12 +124,12 @@ def row_elements(shapes: np.ndarray) -> np.ndarray:
     return shapes.prod(1) if shapes.shape[1] else np.ones(len(shapes), np.int64)
 
 
-def ragged_sizes(shapes: np.ndarray, col: "Column") -> np.ndarray:
+def ragged_sizes(shapes: np.ndarray, col: Column) -> np.ndarray:
     """Scalars per row of a ragged column (complex values count two)."""
     return row_elements(shapes) * (2 if col.complex else 1)
 
 
-def take_ragged(values: np.ndarray, shapes: np.ndarray, col: "Column", order: np.ndarray
+def take_ragged(values: np.ndarray, shapes: np.ndarray, col: Column, order: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``order`` of a ragged column held as (flat values, shapes). (A loop of slices: measured 10x
     faster than building a flat fancy index with ``np.repeat`` for 256 rows of ~500 values.)"""
@@ -139,7 +139,7 @@ def take_ragged(values: np.ndarray, shapes: np.ndarray, col: "Column", order: np
     return (np.concatenate(parts) if parts else values[:0]), shapes[order]
 
 
-def take_columns(columns: Sequence["Column"], table: dict, rows: np.ndarray) -> dict:
+def take_columns(columns: Sequence[Column], table: dict, rows: np.ndarray) -> dict:
     """Rows of a decoded block (fixed columns as arrays, ragged ones as ``(values, offsets, shapes)``):
     fixed columns fancy-indexed, ragged ones as (flat values, shapes) in the order asked."""
     out = {}
@@ -152,7 +152,7 @@ def take_columns(columns: Sequence["Column"], table: dict, rows: np.ndarray) -> 
     return out
 
 
-def slice_columns(columns: Sequence["Column"], table: dict, first: int, stop: int) -> dict:
+def slice_columns(columns: Sequence[Column], table: dict, first: int, stop: int) -> dict:
     """Consecutive rows ``first..stop`` of a decoded block: views, one slice per column."""
     out = {}
     for c in columns:
@@ -164,7 +164,7 @@ def slice_columns(columns: Sequence["Column"], table: dict, first: int, stop: in
     return out
 
 
-def empty_columns(columns: Sequence["Column"]) -> dict:
+def empty_columns(columns: Sequence[Column]) -> dict:
     """Zero rows of every column, in the shapes ``take_columns`` returns."""
     return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
                     else np.zeros((0, *c.shape), c.np_dtype)) for c in columns}
@@ -323,11 +323,11 @@ class Schema:
         return [c.to_json() for c in self.columns]
 
     @classmethod
-    def from_json(cls, cols: list[dict]) -> "Schema":
+    def from_json(cls, cols: list[dict]) -> Schema:
         return cls([Column.from_json(c) for c in cols])
 
     @classmethod
-    def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> "Schema":
+    def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> Schema:
         """The schema of a store's first group; refuses (SchemaError) what either backend could never store."""
         if check_group(td).ndim != 1 or td.shape[0] < 1:
             raise SchemaError(f"a group must be a TensorDict with one batch dimension of at least one member, got "

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from rbpipe.errors import StoreError
 from rbpipe.storage.commitlog import CommitLog

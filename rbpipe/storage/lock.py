@@ -35,7 +35,7 @@ class WriterLock:
         except ValueError:
             return {"pid": -1, "host": "?", "corrupt": True}
 
-    def acquire(self) -> "WriterLock":
+    def acquire(self) -> WriterLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         for _ in range(3):
@@ -87,7 +87,7 @@ class WriterLock:
                 self.path.unlink(missing_ok=True)
             self.held = False
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self) -> WriterLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from tests.faults.test_supervision import wait_for

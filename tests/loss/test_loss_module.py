@@ -11,8 +11,15 @@ from tensordict import lazy_stack
 from torchrl.objectives.llm import CISPOLoss, GRPOLoss
 
 from rbpipe.errors import ConfigError
-from rbpipe.loss import (LossConfig, LossInputError, RbpipeCISPOLoss, RbpipeGRPOLoss, build_loss_batch, make_loss,
-                         train_step)
+from rbpipe.loss import (
+    LossConfig,
+    LossInputError,
+    RbpipeCISPOLoss,
+    RbpipeGRPOLoss,
+    build_loss_batch,
+    make_loss,
+    train_step,
+)
 from rbpipe.loss.batch import _response_mask
 from rbpipe.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.schema import make_trajectory

@@ -14,12 +14,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
 
+import rbpipe.storage.base as storage_base
 from rbpipe.errors import ConfigError
 from rbpipe.storage import ArrowStorage, ZarrStorage, gather
-import rbpipe.storage.base as storage_base
 
 BACKENDS = [ArrowStorage, ZarrStorage]
 FIXED = [torch.bool, torch.int8, torch.int64, torch.bfloat16, torch.float32, torch.complex64]

@@ -15,8 +15,7 @@ from tensordict import TensorDict
 
 from rbpipe.errors import StaleReadError
 from rbpipe.sampling import FreshGroupSampler
-from rbpipe.storage import ArrowStorage, ZarrStorage
-from rbpipe.storage import retention
+from rbpipe.storage import ArrowStorage, ZarrStorage, retention
 from rbpipe.storage.retention import data_bytes, disk_bound
 
 

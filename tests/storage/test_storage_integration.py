@@ -9,12 +9,11 @@ import socket
 import pyarrow as pa
 import pytest
 import torch
+from helpers_storage import llm_group
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer
-from torchrl.data.replay_buffers.samplers import (PromptGroupSampler, RandomSampler,
-                                                  SamplerWithoutReplacement)
+from torchrl.data.replay_buffers.samplers import PromptGroupSampler, RandomSampler, SamplerWithoutReplacement
 
-from helpers_storage import llm_group
 from rbpipe.errors import StoreLockedError
 from rbpipe.schema import RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, GroupWriter, WriterLock, ZarrStorage, collate_identity

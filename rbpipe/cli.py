@@ -418,7 +418,8 @@ def _inspect(args) -> int:
     print(f"store {info['store']}  backend={info['backend']}  format v{info['format_version']}  "
           f"groups={info['groups_committed']}  rows={info['rows']}")
     tail = info.get("torn_tail") or {}
-    if any(v for v in tail.values() if isinstance(v, (int, float))) or any(isinstance(v, dict) and v for v in tail.values()):
+    if any(v for v in tail.values() if isinstance(v, (int, float))) \
+            or any(isinstance(v, dict) and v for v in tail.values()):
         print(f"note: uncommitted bytes were ignored (never served): {tail}")
     from rbpipe.inspect_view import format_groups
 

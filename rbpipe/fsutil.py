@@ -18,10 +18,10 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 #: what :func:`atomic_write` writes: bytes, or a function that writes the temporary file at the path given
-Content = Union[bytes, str, Callable[[str], None]]
+Content = bytes | str | Callable[[str], None]
 
 
 def atomic_write(path: str | os.PathLike, content: Content, *, fsync: bool = True, replace: bool = True,

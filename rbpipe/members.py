@@ -42,7 +42,7 @@ def concat_leaves(payloads: Sequence[tuple[Any, list]], jagged: Sequence[bool], 
     same order for every member; ``jagged[i]``: leaf ``i`` differs in length across (one-step) members and
     becomes a jagged leaf; ``decode(raw, dtype, shape)`` makes a tensor of raw bytes."""
     group = TensorDict(batch_size=[n])
-    for i, ((key, dtype, shape0, _), is_jagged) in enumerate(zip(payloads[0][1], jagged)):
+    for i, ((key, dtype, shape0, _), is_jagged) in enumerate(zip(payloads[0][1], jagged, strict=True)):
         column = [leaves[i] for _, leaves in payloads]
         data = b"".join(raw for *_, raw in column)
         if is_jagged:

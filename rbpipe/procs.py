@@ -191,7 +191,7 @@ def run_worker(name: str, main: Callable[..., Any], *args: Any, cleanup: Callabl
     except Exception as err:  # noqa: BLE001 - reported by the supervisor
         print(f"[{name}] failed: {type(err).__name__}: {err}", flush=True)
         traceback.print_exc()
-        raise SystemExit(1)
+        raise SystemExit(1) from err
     finally:
         if cleanup is not None:
             cleanup()

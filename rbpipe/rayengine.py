@@ -549,7 +549,7 @@ class ShardedRegistry(_Proxy):
         for claim in snap["claims"]:
             parts[shard_of(claim["group"], k)]["claims"].append(claim)
         return sum(self._shard_get(lambda: [s.call.remote(self._name, "restore", (p,), {})
-                                            for s, p in zip(self._shards, parts)]))
+                                            for s, p in zip(self._shards, parts, strict=True)]))
 
     # -- leases: the coordinator is the authority, every shard adopts --
     def _do_lease(self) -> str:
@@ -888,7 +888,8 @@ def parse_resources(text: str | None) -> dict:
         value = json.loads(text)
     except ValueError as err:
         raise ConfigError(f"--ray-resources must be JSON such as "
-                          f"'{{\"collectors\": [{{\"node_b\": 0.01}}], \"learner\": {{\"head\": 0.01}}}}': {err}") from err
+                          f"'{{\"collectors\": [{{\"node_b\": 0.01}}], \"learner\": {{\"head\": 0.01}}}}': "
+                          f"{err}") from err
     if not isinstance(value, dict) or set(value) - {"learner", "collectors"} \
             or not isinstance(value.get("collectors", []), list):
         raise ConfigError("--ray-resources: a JSON object with 'learner' (an object) and/or 'collectors' (a list "

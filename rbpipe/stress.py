@@ -191,7 +191,8 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
                         procs[w] = None
             if all(p is None for p in procs):
                 break
-            if kill_rate > 0 and delta > 0 and (max_kills is None or kills < max_kills) and rng.random() < 1 - (1 - kill_rate) ** delta:
+            if kill_rate > 0 and delta > 0 and (max_kills is None or kills < max_kills) \
+                    and rng.random() < 1 - (1 - kill_rate) ** delta:
                 alive = [w for w, p in enumerate(procs) if p is not None and p.is_alive()]
                 if alive:
                     victim = rng.choice(alive)

@@ -205,7 +205,7 @@ def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_start
         (["--task", f"{task_file}:HugeIds"], "vocabulary"),
         (["--task", "not-a-spec"], "not a task spec"),
     ]
-    for name, path in _bad_model_dirs(tmp_path).items():
+    for path in _bad_model_dirs(tmp_path).values():
         cases.append((["--model", str(path)], "--model"))
     capsys.readouterr()  # save_pretrained's own progress output
     for args, expected in cases:

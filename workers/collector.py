@@ -51,7 +51,7 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
             tokens, log_probs = sample_responses(policy, prompt, unit["samples"], max_new_tokens=cfg.max_new_tokens,
                                                  temperature=cfg.temperature, generator=gen)
             client.add_generate_time(time.perf_counter_ns() - started)
-            for response, lp in zip(tokens, log_probs):
+            for response, lp in zip(tokens, log_probs, strict=True):
                 traj = make_trajectory(group_id=index, prompt=prompt, response=response, rollout_log_probs=lp,
                                        reward=float(task_obj.reward(prompt, response)),
                                        collector_id=client.collector_id, policy_version=version)

@@ -124,7 +124,8 @@ def _train(client: LearnerClient) -> None:
             collectors_mark = collectors_now
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
-                      "groups_consumed": sampler.consumed_groups, "trained_groups": trained, "stale_groups": sampler.stale_groups,
+                      "groups_consumed": sampler.consumed_groups, "trained_groups": trained,
+                      "stale_groups": sampler.stale_groups,
                       "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
                       "learner/policy_lag_max": float(lag.max()),
                       "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups

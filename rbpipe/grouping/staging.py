@@ -47,8 +47,9 @@ entry carry a fourth element, its kind, for trajectories with batch size ``[T]``
 
 Any other non-tensor leaf is refused (:class:`~rbpipe.errors.BadTrajectoryError`): nothing is ever pickled.
 A version 2 payload reads back as a ``LazyStackedTensorDict`` of ``T`` steps (strings as ``NonTensorData``);
-its leaves whose steps all have one shape are written as version 1 leaves (no kind). A group that cannot be written is moved whole to ``quarantine/<claim id>/``
-(its payloads and a ``reason.json``), out of the handle namespace, for a person to inspect.
+its leaves whose steps all have one shape are written as version 1 leaves (no kind). A group that cannot be written
+is moved whole to ``quarantine/<claim id>/`` (its payloads and a ``reason.json``), out of the handle namespace,
+for a person to inspect.
 """
 
 from __future__ import annotations
@@ -344,15 +345,15 @@ def _steps_from_leaves(steps: int, leaves: list[tuple]) -> TensorDictBase:
     for key, dtype, shape, raw in leaves:
         if dtype == STR:
             text, at = bytes(raw), 0
-            for row, n in zip(rows, shape):
+            for row, n in zip(rows, shape, strict=True):
                 row.set_non_tensor(key, text[at:at + n].decode())
                 at += n
         elif is_plain(dtype):
-            for row, t in zip(rows, decode_tensor(raw, dtype, shape).unbind(0)):
+            for row, t in zip(rows, decode_tensor(raw, dtype, shape).unbind(0), strict=True):
                 row.set(key, t)
         else:
             flat = decode_tensor(raw, dtype[1], (len(raw) // _ITEMSIZE[dtype[1]],))
-            for row, t, s in zip(rows, flat.split([math.prod(s) for s in shape]), shape):
+            for row, t, s in zip(rows, flat.split([math.prod(s) for s in shape]), shape, strict=True):
                 row.set(key, t.reshape(s))
     return lazy_stack(rows, 0)
 
@@ -614,7 +615,7 @@ class Staging:
         paths = [self._path(h) for h in handles]  # every handle checked before any file is touched
         prefix = self._own()
         recent = self._recent
-        for handle, path in zip(handles, paths):
+        for handle, path in zip(handles, paths, strict=True):
             recent.pop(handle, None)
             owner = os.path.dirname(handle)
             try:
@@ -657,7 +658,7 @@ class Staging:
         paths = [self._path(h) for h in handles]
         target = self.path / QUARANTINE / claim_id
         _private_dir(target)
-        for i, (handle, path) in enumerate(zip(handles, paths)):
+        for i, (handle, path) in enumerate(zip(handles, paths, strict=True)):
             self._recent.pop(handle, None)
             try:
                 os.rename(path, target / f"{i}{self.SUFFIX}")

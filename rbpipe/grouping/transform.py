@@ -402,7 +402,7 @@ class SharedMCAdvantage(MCAdvantage):
                      else done.reshape(steps, -1).any(-1).cpu().numpy())
         if np.count_nonzero(step_done) > 1:
             ends = (np.flatnonzero(step_done) + 1).tolist()
-            sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
+            sizes = [b - a for a, b in zip([0] + ends[:-1], ends, strict=True)]
             if sum(sizes) < tensordict.shape[0]:
                 sizes.append(tensordict.shape[0] - sum(sizes))
             return list(tensordict.split(sizes))
@@ -545,12 +545,12 @@ class SharedMCAdvantage(MCAdvantage):
 
     def _members_of(self, payloads: list, advantages: list) -> list[TensorDictBase]:
         members = []
-        for payload, adv in zip(payloads, advantages):
+        for payload, adv in zip(payloads, advantages, strict=True):
             traj = td_from_leaves(*payload)
             reward = leaf_steps(traj, self.rewards_key)
             if isinstance(reward, list):  # per-token rewards: each step gets its tokens' advantages
                 parts = decode_tensor(*adv).reshape(-1).split([r.numel() for r in reward])
-                for row, r, a in zip(traj.unbind(0), reward, parts):
+                for row, r, a in zip(traj.unbind(0), reward, parts, strict=True):
                     row.set(self.advantage_key, a.reshape(r.shape))
             else:
                 traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
@@ -576,7 +576,7 @@ class SharedMCAdvantage(MCAdvantage):
         kinds = []  # per leaf: True = jagged, False = dense; checked for every leaf before anything is decoded
         for i, (key, dtype, shape0, _) in enumerate(leaves0):
             same = True
-            for (_, leaves), size in zip(payloads, sizes):
+            for (_, leaves), size in zip(payloads, sizes, strict=True):
                 k, dt, shape, _ = leaves[i]
                 if dt not in PLAIN or k != key or dt != dtype or len(shape) != len(shape0) or shape[0] != size:
                     return
@@ -588,7 +588,8 @@ class SharedMCAdvantage(MCAdvantage):
         reward = group.get(self.rewards_key, None)
         if reward is None or reward.is_nested:
             return
-        advs = [decode_tensor(*adv).reshape(size, *reward.shape[1:]) for adv, size in zip(claim.advantages, sizes)]
+        advs = [decode_tensor(*adv).reshape(size, *reward.shape[1:])
+                for adv, size in zip(claim.advantages, sizes, strict=True)]
         group.set(self.advantage_key, advs[0] if len(advs) == 1 else torch.cat(advs, 0))
         if any(kinds):
             claim.jagged = group

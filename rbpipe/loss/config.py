@@ -19,8 +19,8 @@ class LossConfig:
     ``eps_low``/``eps_high`` default per objective (grpo 0.2/0.2, dapo and cispo 0.2/0.28); ``dual_clip``
     ``None`` is off, ``True`` means ``c = 3.0``; ``agg_norm`` is the constant of ``seq-mean-token-sum-norm``
     (default: ``max_new_tokens``, the generation budget, which ``RunConfig.loss_config`` always passes; only a
-    library caller that gives neither gets the step's max response length); ``rollout_is`` ``None`` disables the correction (mismatch
-    metrics are still reported); thresholds and veto are ``(lower, upper)`` with ``lower < upper``.
+    library caller that gives neither gets the step's max response length); ``rollout_is`` ``None`` disables the
+    correction (mismatch metrics are still reported); thresholds and veto are ``(lower, upper)`` with ``lower < upper``.
     """
 
     loss: str = "grpo"

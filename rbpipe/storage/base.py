@@ -296,7 +296,7 @@ class GroupStorage(Storage):
             # returned as views of its block below, without a copy)
             n = stops[groups] - starts[groups]
             tables = [backend.whole_table(b, a, a + k)
-                      for b, a, k in zip(blocks[groups].tolist(), local[groups].tolist(), n.tolist())]
+                      for b, a, k in zip(blocks[groups].tolist(), local[groups].tolist(), n.tolist(), strict=True)]
             if None not in tables:
                 out = concat_tables(columns, tables, len(rows))
                 if out is not None:
@@ -311,7 +311,7 @@ class GroupStorage(Storage):
             runs = np.flatnonzero((np.diff(blk) != 0) | (np.diff(loc) != 1)) + 1
             if len(runs) < 64:
                 first, last = np.concatenate(([0], runs)), np.concatenate((runs, [len(rows)])) - 1
-                spans = zip(blk[first].tolist(), loc[first].tolist(), (loc[last] + 1).tolist())
+                spans = zip(blk[first].tolist(), loc[first].tolist(), (loc[last] + 1).tolist(), strict=True)
                 parts = [backend.slice(b, a, z) for b, a, z in spans]
                 inv = None
             elif (blk == blk[0]).all():  # scattered rows of one block (a compacted store): one gather
@@ -321,7 +321,7 @@ class GroupStorage(Storage):
                 sorted_blk = blk[order]
                 cuts = np.flatnonzero(np.diff(sorted_blk)) + 1
                 parts = [backend.gather(int(sorted_blk[s]), loc[order[s:e]])
-                         for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(order)])]
+                         for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(order)], strict=True)]
                 inv = np.argsort(order)
         out: dict[tuple, Any] = {}
         for c in columns:

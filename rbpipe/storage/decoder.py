@@ -94,7 +94,7 @@ def _pad(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> tuple[torch
     for values, shapes in parts:  # a loop of slice copies: faster than one flat fancy-index scatter
         elems = values.reshape(-1, *trail)
         pos = 0
-        for shape, k in zip(shapes.tolist(), row_elements(shapes).tolist()):
+        for shape, k in zip(shapes.tolist(), row_elements(shapes).tolist(), strict=True):
             if col.ndim == 1:
                 out[i, :k] = elems[pos:pos + k]
             else:
@@ -112,7 +112,7 @@ def _ragged_rows(parts: list[tuple[np.ndarray, np.ndarray]], col) -> list[torch.
     for values, shapes in parts:
         flat = from_storage_np(values.reshape(-1, *trail), col.dtype)
         pieces = flat.split(row_elements(shapes).tolist())
-        out += pieces if col.ndim == 1 else [t.view(shape) for t, shape in zip(pieces, shapes.tolist())]
+        out += pieces if col.ndim == 1 else [t.view(shape) for t, shape in zip(pieces, shapes.tolist(), strict=True)]
     return out
 
 
@@ -127,7 +127,7 @@ def _row_tensordicts(tree: dict, m: int) -> list[TensorDict]:
         names.append(name)
         columns.append(_row_tensordicts(child, m) if isinstance(child, dict) else child)
     new = TensorDict._new_unsafe
-    return [new(dict(zip(names, row)), _NO_BATCH, nested=False) for row in zip(*columns)]
+    return [new(dict(zip(names, row, strict=True)), _NO_BATCH, nested=False) for row in zip(*columns, strict=True)]
 
 
 def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int,

@@ -134,7 +134,7 @@ def concat_tables(columns: Sequence, tables: Sequence[dict], rows: int) -> dict 
         plans.append(plan)
     _use_torch_threads()
     buf, starts, sizes = kernels.gather_arrays(np.stack(plans), CHUNK_BYTES)
-    views = iter([buf[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist())])
+    views = iter([buf[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist(), strict=True)])
     out: dict = {}
     for c in columns:
         if c.ragged:

@@ -33,7 +33,7 @@ class GroupIndex:
         if self._k == len(self._cols["seq"]):
             self._cols = {f: np.concatenate([a, np.zeros_like(a)]) for f, a in self._cols.items()}
         end = (self._cols["end"][self._k - 1] if self._k else 0) + n
-        for f, v in zip(self._FIELDS, (seq, n, end, block, local)):
+        for f, v in zip(self._FIELDS, (seq, n, end, block, local), strict=True):
             self._cols[f][self._k] = v
         self._k += 1
         self.rows += n

@@ -2,8 +2,8 @@
 
 Every tensor leaf becomes one column. A *fixed* column has the same trailing shape on every row; a
 *ragged* column keeps each row's own trailing shape (same ndim and dtype). A ``str`` leaf (``NonTensorData``,
-e.g. torchrl's prompt) becomes a *string column*: a ragged 1-D column of each row's UTF-8 bytes, dtype ``"str"``. Both backends use this module,
-so the schema rules (and their :class:`SchemaError` messages) are the same everywhere.
+e.g. torchrl's prompt) becomes a *string column*: a ragged 1-D column of each row's UTF-8 bytes, dtype ``"str"``.
+Both backends use this module, so the schema rules (and their :class:`SchemaError` messages) are the same everywhere.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def take_ragged(values: np.ndarray, shapes: np.ndarray, col: Column, order: np.n
     faster than building a flat fancy index with ``np.repeat`` for 256 rows of ~500 values.)"""
     sizes = ragged_sizes(shapes, col)
     starts = (np.cumsum(sizes) - sizes)[order].tolist()
-    parts = [values[s:s + k] for s, k in zip(starts, sizes[order].tolist())]
+    parts = [values[s:s + k] for s, k in zip(starts, sizes[order].tolist(), strict=True)]
     return (np.concatenate(parts) if parts else values[:0]), shapes[order]
 
 

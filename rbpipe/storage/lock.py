@@ -18,9 +18,9 @@ LOCK_FILE = ".lock"
 class WriterLock:
     """Exclusive writer lock of a store directory (``STORE/.lock``).
 
-    ``acquire()`` creates the lock file atomically (``fsutil.atomic_write`` without replacing) with this process's pid and host. If it
-    exists and its holder is alive, :class:`StoreLockedError` names the holder; if the holder is a dead
-    pid on this host, the stale lock is taken over. Readers never need it.
+    ``acquire()`` creates the lock file atomically (``fsutil.atomic_write`` without replacing) with this process's
+    pid and host. If it exists and its holder is alive, :class:`StoreLockedError` names the holder; if the holder
+    is a dead pid on this host, the stale lock is taken over. Readers never need it.
     """
 
     def __init__(self, store_path: str | os.PathLike):

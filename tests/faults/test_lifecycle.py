@@ -70,7 +70,7 @@ def output(proc: subprocess.Popen, timeout: float) -> str:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"the launcher did not stop within {timeout}s:\n{proc.communicate()[0][-3000:]}")
+        raise AssertionError(f"the launcher did not stop within {timeout}s:\n{proc.communicate()[0][-3000:]}") from None
 
 
 def cleanup(proc: subprocess.Popen) -> None:

@@ -243,7 +243,7 @@ def test_whole_groups_read_while_another_process_appends_and_evicts(tmp_path, mo
             gids = td["group_id"].tolist()
             members = td["member"].tolist()
             tokens, log_probs = td["tokens", "response"].unbind(), td["log_probs", "rollout"].unbind()
-            for k, (gid, member) in enumerate(zip(gids, members)):
+            for k, (gid, member) in enumerate(zip(gids, members, strict=True)):
                 want = _member(gid, member)
                 assert torch.equal(tokens[k], want["tokens", "response"])
                 assert torch.equal(log_probs[k], want["log_probs", "rollout"])

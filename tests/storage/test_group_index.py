@@ -30,7 +30,7 @@ def test_index_matches_naive(ops):
         assert stops_i.tolist() == stops.tolist() and starts.tolist() == (stops - n).tolist()
         assert blocks.tolist() == [g[2] for g in live] and local.tolist() == [g[3] for g in live]
         assert index.rows == int(n.sum()) and len(index) == len(live)
-        for g, start in zip(live, (stops - n).tolist()):
+        for g, start in zip(live, (stops - n).tolist(), strict=True):
             assert index.start_of(g[0]) == start
         assert index.start_of(seq + 1) is None
 

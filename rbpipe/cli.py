@@ -247,8 +247,15 @@ def _add_export(sub) -> None:
                    help="output Zarr store directory (must not exist yet)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rbpipe", description=DESCRIPTION, epilog=EPILOG,
+class RbpipeParser(argparse.ArgumentParser):
+    """The top-level parser; keeps its ``run`` and ``serve`` subparsers (``explicit_options`` reads them)."""
+
+    run_parser: argparse.ArgumentParser
+    serve_parser: argparse.ArgumentParser
+
+
+def build_parser() -> RbpipeParser:
+    parser = RbpipeParser(prog="rbpipe", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.run_parser = _add_run(sub)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.task_spec import normalize_spec
 from rbpipe.weights import SharedWeights
+
+if TYPE_CHECKING:
+    from rbpipe.rayengine import RayWeights
 
 
 def check_store_path(store: Path) -> None:
@@ -61,7 +64,8 @@ class _Attached:
         if spec.get("engine") == "ray":
             from rbpipe.rayengine import RayWeights
 
-            self._weights = RayWeights(self.attachment.manager.coordinator_actor, spec["numel"])
+            self._weights: SharedWeights | RayWeights = RayWeights(self.attachment.manager.coordinator_actor,
+                                                                   spec["numel"])
         else:
             self._weights = SharedWeights(spec["path"], spec["numel"])
         self.coordinator = self.attachment.coordinator
@@ -129,7 +133,7 @@ class CollectorClient(_Attached):
         self._wanted_id = collector_id
         self._unreported_ns = {"generate_ns": 0, "handover_ns": 0}  # sent with the next count
         self._join()
-        self._model = None
+        self._model: torch.nn.Module | None = None
 
     def _join(self) -> None:
         self.lease = self.buffer.grouping_transform.lease_token()
@@ -173,10 +177,11 @@ class CollectorClient(_Attached):
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, state_dict)`` of the latest published policy (the run's model architecture)."""
-        if self._model is None:
-            self._model = self.config.make_model()
-        version = self.load_weights(self._model)
-        return version, self._model.state_dict()
+        model = self._model
+        if model is None:
+            model = self._model = self.config.make_model()
+        version = self.load_weights(model)
+        return version, model.state_dict()
 
     def close(self) -> None:
         """Leave: what this collector still owed goes back to the others at once; its segment is sealed."""

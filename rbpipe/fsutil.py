@@ -89,8 +89,10 @@ def file_lock(target: str | os.PathLike | int, *, blocking: bool = True) -> Iter
         ...     held
         True
     """
-    own = not isinstance(target, int)
-    fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644) if own else target
+    if isinstance(target, int):
+        own, fd = False, target
+    else:
+        own, fd = True, os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

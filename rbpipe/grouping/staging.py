@@ -487,7 +487,8 @@ class Staging:
             raise StagingError(f"cannot create the staging directory {self.path}: {err}. Pass a writable "
                                "staging_dir (e.g. STORE/staging)") from err
         self._dir = str(self.path)
-        self._pid = self._prefix = None
+        self._pid: int | None = None
+        self._prefix: str | None = None
         self._counter = itertools.count()
         self._free: list[str] = []
         self._free_ids = itertools.count()
@@ -498,12 +499,12 @@ class Staging:
         return {"path": str(self.path)}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+        type(self).__init__(self, state["path"])
 
     def _own(self) -> str:
         """This process's subdirectory name (a forked child gets its own, and not the parent's free files)."""
         pid = os.getpid()
-        if self._pid != pid:
+        if self._pid != pid or self._prefix is None:  # (the two are set together)
             try:
                 prefix = _new_owned_dir(self._dir, pid)
             except OSError as err:
@@ -526,7 +527,7 @@ class Staging:
         if self._misses < self.RESCAN_EVERY:
             return None
         self._misses = 0  # files other processes released into our subdirectory since we last looked
-        own = os.path.join(self._dir, self._prefix)
+        own = os.path.join(self._dir, self._own())  # (put set it: the same prefix)
         with os.scandir(own) as it:
             self._free.extend(e.path for e in it if e.name.startswith(self.FREE))
         return self._free.pop() if self._free else None
@@ -634,7 +635,8 @@ class Staging:
         and those that were renamed into the subdirectories of processes that are gone (at exit; a killed
         process leaves its own to the next :meth:`sweep`)."""
         self._free = []
-        if self._pid == os.getpid() and _release_own(os.path.join(self._dir, self._prefix)):
+        if self._pid == os.getpid() and self._prefix is not None \
+                and _release_own(os.path.join(self._dir, self._prefix)):
             self._pid = None  # its subdirectory is gone: a later put makes a new one
         try:
             self.sweep()

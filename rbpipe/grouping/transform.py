@@ -22,6 +22,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,14 @@ def _register_lease_hooks(*_) -> None:
 
 atexit.register(_release_leases)
 _register_lease_hooks()
-os.register_at_fork(after_in_child=lambda: (_forget_leases(), _register_lease_hooks()))
+
+
+def _leases_after_fork() -> None:
+    _forget_leases()
+    _register_lease_hooks()
+
+
+os.register_at_fork(after_in_child=_leases_after_fork)
 
 
 def _register_after_multiprocess_fork() -> None:
@@ -371,15 +379,15 @@ class SharedMCAdvantage(MCAdvantage):
 
     @property
     def queued_groups(self) -> int:
-        return self.get_stats()["queued_groups"]
+        return int(self.get_stats()["queued_groups"])
 
     @property
     def queued_trajectories(self) -> int:
-        return self.get_stats()["queued_trajectories"]
+        return int(self.get_stats()["queued_trajectories"])
 
     @property
     def max_queued_trajectories_per_group(self) -> int:
-        return self.get_stats()["max_queued_trajectories_per_group"]
+        return int(self.get_stats()["max_queued_trajectories_per_group"])
 
     # -- splitting and validation (as MCAdvantage._inv_call, before anything is shared) --------------------------
     def split_trajectories(self, tensordict: TensorDictBase) -> list[TensorDictBase]:
@@ -648,7 +656,7 @@ class SharedMCAdvantage(MCAdvantage):
         return call(self._registry, "restore", snapshot)
 
 
-    def requeue_staged(self, skip: set[str] = frozenset()) -> tuple[list[Claim], int, int]:
+    def requeue_staged(self, skip: AbstractSet[str] = frozenset()) -> tuple[list[Claim], int, int]:
         """After a crash: hand every trajectory still staged on disk to the registry again.
 
         A staged payload was handed over and is neither written nor dropped yet (writers delete payloads

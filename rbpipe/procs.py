@@ -90,7 +90,7 @@ def shared_memory_dir() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
-def sweep_dead_files(directory: str | os.PathLike, prefix: str) -> int:
+def sweep_dead_files(directory: str | os.PathLike[str], prefix: str) -> int:
     """Unlink ``<prefix><pid>-*`` files of processes that are gone (a SIGKILLed owner never removes its own
     shared-memory files, and /dev/shm is RAM); returns how many."""
     n = 0

@@ -91,10 +91,11 @@ def _zarr_columns(store: Path, cols: list[dict], live: list[dict]) -> dict[str, 
     """Per column, one numpy array per live group, read with plain zarr."""
     import zarr
 
-    group = zarr.open_group(str(store / "data.zarr"), mode="r") if live else None
+    # zarr types a member as ``Array | Group``: every member read here is an array
+    group: Any = zarr.open_group(str(store / "data.zarr"), mode="r") if live else None
     out: dict[str, list[np.ndarray]] = {c["column"]: [] for c in cols}
     for c in cols:
-        arr = group[c["column"] + (".shape" if c["shape"] is None else "")] if live else None
+        arr: Any = group[c["column"] + (".shape" if c["shape"] is None else "")] if live else None
         for rec in live:
             row, n = rec["loc"]["row"], rec["n"]
             part = np.asarray(arr[row:row + n])

@@ -31,9 +31,12 @@ import time
 import traceback
 import uuid
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
+
+if TYPE_CHECKING:
+    import threading
 
 COORDINATOR_NAME = "rbpipe-coordinator"
 SHARD_PREFIX = "rbpipe-shard-"
@@ -56,7 +59,7 @@ def use_loopback() -> None:
     import sys
 
     os.environ[LOOPBACK_ENV] = "0"
-    constants = sys.modules.get("ray._private.ray_constants")
+    constants: Any = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = False
 
@@ -137,10 +140,10 @@ class ShardHost:
         self.leases = LeaseTable(ttl_s)
         self.registries: dict[str, Any] = {}
         self._seen: dict[str, set] = {}  # handles appended, per registry
-        self._coordinator = None
+        self._coordinator: Any = None  # the coordinator actor's handle, looked up on first use
         self._events: list[tuple] = []
         self._events_lock = threading.Lock()
-        self._flusher = None
+        self._flusher: threading.Thread | None = None
         self._log = None
         self.replayed = 0
         self._grace_until = time.monotonic() + ttl_s  # after a restart: leases the shard forgot are taken in
@@ -346,7 +349,8 @@ class _CachedStats:
     :data:`STATS_CACHE_S`: it saves its state on every append and must not fan out to every shard each time."""
 
     def __init__(self, registry) -> None:
-        self.registry, self._stats, self._at = registry, {}, -1e9
+        self.registry, self._at = registry, -1e9
+        self._stats: dict[str, Any] = {}
 
     def get_stats(self) -> dict:
         now = time.monotonic()
@@ -737,7 +741,10 @@ class RayProcess:
 
     def __init__(self, fn, args: tuple, name: str, options: dict) -> None:
         self.fn, self.args, self.name, self.options = fn, tuple(args), name, dict(options)
-        self.actor = self.ref = self._info = None
+        # Ray handles: an actor, the ref of its run loop, the ref of its placement info
+        self.actor: Any = None
+        self.ref: Any = None
+        self._info: Any = None
         self.pid: int | None = None
         self.node_id: str | None = None
         self._exitcode: int | None = None

@@ -12,7 +12,7 @@ PLOT = "reward.png"
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Learner metrics, one JSON object per line; a torn last line (crash mid-write) is skipped."""
-    records = []
+    records: list[dict[str, Any]] = []
     if not Path(path).exists():
         return records
     for line in Path(path).read_text().splitlines():

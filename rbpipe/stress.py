@@ -134,7 +134,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
         p.write_text(json.dumps(share))
         share_paths.append(str(p))
     storage = _open_storage(store)
-    kwargs = dict(trajectory_return="sum")
+    kwargs: dict[str, Any] = dict(trajectory_return="sum")
     if dynamic_sampling:
         kwargs["keep_return_bounds"] = (0.01, 0.99)
     manager = start_manager() if grouping == "rbpipe" else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
@@ -28,7 +30,7 @@ def _row(row: TensorDictBase) -> TensorDict:
     prompt, response = row.get(PROMPT_TOKENS_KEY).reshape(-1), row.get(RESPONSE_TOKENS_KEY).reshape(-1)
     full = torch.cat([prompt, response])
     n_prompt, length = prompt.numel(), full.numel()
-    fields = {"tokens": TensorDict(full=full, prompt=prompt),
+    fields: dict[str | tuple[str, str], Any] = {"tokens": TensorDict(full=full, prompt=prompt),
               "masks": TensorDict(all_attention_mask=torch.ones(length, dtype=torch.bool)),
               ADVANTAGE_KEY: row.get(ADVANTAGE_KEY).reshape(-1)[:1].float().expand(length, 1).clone()}
     if ROLLOUT_LOG_PROBS_KEY in keys:

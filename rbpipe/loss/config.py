@@ -38,6 +38,12 @@ class LossConfig:
     rollout_is_veto: tuple[float, float] | None = None
     entropy_coef: float = 0.0
 
+    @property
+    def clip_eps(self) -> tuple[float, float]:
+        """``(eps_low, eps_high)`` as resolved by construction (the per-objective defaults: never None)."""
+        assert self.eps_low is not None and self.eps_high is not None
+        return self.eps_low, self.eps_high
+
     def __post_init__(self) -> None:
         self.loss_agg_mode = AGG_ALIASES.get(self.loss_agg_mode, self.loss_agg_mode)
         if self.dual_clip is True:

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-_NestedTensor: type[torch.Tensor] | None
 try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
     from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (~4x cheaper per call)
 except ImportError:  # a torch that moved it: the public constructor
-    _NestedTensor = None
+    _NestedTensor = None  # type: ignore[misc, assignment]  # (the optional-import idiom: None = not available)
 
 
 def jagged_tensor(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

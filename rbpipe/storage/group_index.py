@@ -8,6 +8,7 @@ and only a ``move`` record (compaction, rare) rebuilds the block columns.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
@@ -26,8 +27,8 @@ class GroupIndex:
         self._k = 0  # groups ever appended
         self._lo = 0  # first live group
         self.rows = 0  # live rows
-        self._cache = None
-        self._one = None
+        self._cache: tuple[np.ndarray, ...] | None = None
+        self._one: tuple[int, int] | Literal[False] | None = None
 
     def append(self, seq: int, n: int, block: int, local: int) -> None:
         if self._k == len(self._cols["seq"]):

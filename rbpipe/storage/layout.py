@@ -38,7 +38,7 @@ _DTYPES: dict[torch.dtype, tuple[str, np.dtype]] = {
     torch.complex64: ("complex64", np.dtype(np.float32)),
     torch.complex128: ("complex128", np.dtype(np.float64)),
 }
-_BY_NAME = {name: (dt, npdt) for dt, (name, npdt) in _DTYPES.items()}
+_BY_NAME: dict[str, tuple[torch.dtype | None, np.dtype]] = {name: (dt, npdt) for dt, (name, npdt) in _DTYPES.items()}
 #: dtype name of a string column: one ``str`` per row, kept as a ragged 1-D column of its UTF-8 bytes (FORMAT.md)
 TEXT = "str"
 _BY_NAME[TEXT] = (None, np.dtype(np.uint8))
@@ -166,7 +166,7 @@ def slice_columns(columns: Sequence[Column], table: dict, first: int, stop: int)
 
 def empty_columns(columns: Sequence[Column]) -> dict:
     """Zero rows of every column, in the shapes ``take_columns`` returns."""
-    return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
+    return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.shape is None  # ragged
                     else np.zeros((0, *c.shape), c.np_dtype)) for c in columns}
 
 
@@ -280,7 +280,7 @@ def _name_problem(c: Column) -> str | None:
         return f"column name {c.name!r} starts with '__', which Zarr v3 reserves; rename the key"
     if c.ragged and c.ndim == 0:
         return f"key {c.name!r} holds one scalar per row and cannot be ragged; remove it from ragged_keys"
-    if not c.ragged and 0 in c.shape:
+    if c.shape is not None and 0 in c.shape:  # (a fixed column)
         return (f"key {c.name!r} has the zero-size shape {c.shape} in every row: a fixed column must hold "
                 "data; declare it in ragged_keys if its size varies (rows may then be empty), or drop it")
     return None
@@ -398,9 +398,9 @@ class Schema:
                     try:
                         t = torch.stack([lv[c.key] for lv in leaves])
                     except RuntimeError:
-                        shapes = sorted({tuple(lv[c.key].shape) for lv in leaves})
+                        seen = sorted({tuple(lv[c.key].shape) for lv in leaves})
                         raise SchemaError(f"key {c.name!r} has fixed shape {c.shape} in the store but rows "
-                                          f"of shapes {shapes}; declare it in ragged_keys when creating "
+                                          f"of shapes {seen}; declare it in ragged_keys when creating "
                                           "the store") from None
                 self._check(c, t.dtype, tuple(t.shape[1:]), t.ndim - 1)
                 if c.ragged:
@@ -431,7 +431,7 @@ class Schema:
         else:
             if t.dim() != 2:
                 raise SchemaError(f"key {c.name!r}: only [rows, j] jagged tensors can be written; got {t.dim()}-D")
-            values, offsets = t.values(), t.offsets()
+            values, offsets = t.values(), t.offsets()  # type: ignore[attr-defined]  # (jagged-only: not in torch's stub)
         self._check(c, values.dtype, None, values.dim())
         o = offsets.numpy()
         shapes = np.diff(o).reshape(-1, 1).astype(np.int64, copy=False)

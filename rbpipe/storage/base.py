@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
 from rbpipe.storage.layout import Schema, from_storage_np, key_tuple, take_ragged
 from rbpipe.storage.ledger import Ledger
+
+if TYPE_CHECKING:
+    from rbpipe.storage.catalog import CatalogBuffer
 
 NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
@@ -86,7 +89,7 @@ class GroupStorage(Storage):
         evicts = self.max_size != UNBOUNDED or max_bytes is not None
         self._backend = self._ledger.events = self.backend_class(self.path, self._ledger, evicts=evicts)
         self._pid = os.getpid()
-        self._catalog = None  # catalog.CatalogBuffer, made at the first commit (pyarrow is imported then)
+        self._catalog: CatalogBuffer | None = None  # made at the first commit (pyarrow is imported then)
         self._refresh()
         self.torn_tail = self.check_tail()
 
@@ -297,10 +300,11 @@ class GroupStorage(Storage):
             n = stops[groups] - starts[groups]
             tables = [backend.whole_table(b, a, a + k)
                       for b, a, k in zip(blocks[groups].tolist(), local[groups].tolist(), n.tolist(), strict=True)]
-            if None not in tables:
-                out = concat_tables(columns, tables, len(rows))
-                if out is not None:
-                    return out
+            whole = [t for t in tables if t is not None]
+            if len(whole) == len(tables):
+                concatenated = concat_tables(columns, whole, len(rows))
+                if concatenated is not None:
+                    return concatenated
         g = np.searchsorted(stops, rows, side="right")
         blk = blocks[g]
         loc = rows - starts[g] + local[g]

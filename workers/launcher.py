@@ -293,6 +293,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
             session = RaySession(ray.get("address"), num_cpus=max(2, cfg.collectors + 1)).start()
             ctx.namespace = session.namespace
         service.start(log=log)
+        assert service.manager is not None  # (started)
         session_start = {"produced": 0, "rejected": 0, "rows": service.rows_at_start, "requeued": service.requeued,
                          "torn": service.torn}
         stop_request.check()
@@ -311,6 +312,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         for w in workers:
             _start(ctx, w, pids, run_dir)
         if engine == "ray":
+            assert session is not None  # (started above)
             atomic_write_json(run_dir / RAY_WORKERS, {"namespace": session.namespace, "workers": ctx.placed})
         status = _supervise(cfg, workers, service, run_dir, pids, stop_request, progress=progress, log=log,
                             ctx=ctx)
@@ -545,7 +547,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
         "learner_steps": records[-1]["step"] if records else 0,
         "reward_first20": first, "reward_last20": last, "reward_last10": last10,
         "target_reward": cfg.target_reward,
-        "reached_target": cfg.target_reward is not None and len(rewards) >= 10 and last10 >= cfg.target_reward,
+        "reached_target": (cfg.target_reward is not None and len(rewards) >= 10 and last10 is not None
+                           and last10 >= cfg.target_reward),
         "timing": timing_summary(records),
         "stale_trajectories": int(final.get("learner", {}).get("stale_trajectories", 0)),
         "restarts": sum(w.restarts for w in workers[1:]),

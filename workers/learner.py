@@ -11,6 +11,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchrl.data import ReplayBuffer
@@ -122,6 +123,7 @@ def _train(client: LearnerClient) -> None:
             collectors_now = client.collectors_timing()
             spent = {k: collectors_now[k] - collectors_mark[k] for k in collectors_now}
             collectors_mark = collectors_now
+            record: dict[str, Any]
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
                       "groups_consumed": sampler.consumed_groups, "trained_groups": trained,

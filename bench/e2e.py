@@ -46,7 +46,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
             prompt = task.prompt(index)
             tokens, log_probs = sample_responses(model, prompt, cfg.grpo_size, max_new_tokens=cfg.max_new_tokens,
                                                  temperature=cfg.temperature, generator=gen)
-            for response, lp in zip(tokens, log_probs):
+            for response, lp in zip(tokens, log_probs, strict=True):
                 out = grouping.inv(make_trajectory(group_id=index, prompt=prompt, response=response,
                                                    rollout_log_probs=lp, reward=task.reward(prompt, response),
                                                    collector_id=0, policy_version=step - 1))
@@ -102,7 +102,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"time to mean reward {target} (10-step average), {len(seeds)} seed(s) per side, 2 cores")
-    for seed, b, o in zip(seeds, base, ours):
+    for seed, b, o in zip(seeds, base, ours, strict=True):
         print(f"  seed {seed}: one process {b['seconds']:6.1f} s {b['steps']:4d} steps reached={b['reached']} | "
               f"rbpipe run {o['seconds']:6.1f} s wall (process start included) {o['steps']:4d} steps "
               f"reached={o['reached']} learner busy {o['learner_busy']:.2f}")

@@ -90,7 +90,7 @@ def writer_main(w: int, writers: int, configs, barrier, results, seconds: float,
 
 
 def summarize(impl, writers, group_size, payload, per_writer) -> dict:
-    lat = sorted(x for _, _, l in per_writer for x in l)
+    lat = sorted(x for _, _, lats in per_writer for x in lats)
     span = max(e for _, e, _ in per_writer) - min(s for s, _, _ in per_writer)
     q = lambda p: round(1000 * lat[min(len(lat) - 1, int(p * len(lat)))], 3) if lat else None  # noqa: E731
     return {"impl": impl, "writers": writers, "group_size": group_size, "payload": payload,

@@ -29,7 +29,7 @@ def make_batch(model, actor, ref_actor, rows: int):
     for i in range(rows // 8):
         prompt = task.prompt(i)
         tokens, lps = sample_responses(model, prompt, 8, temperature=1.2, generator=gen)
-        for t, lp in zip(tokens, lps):
+        for t, lp in zip(tokens, lps, strict=True):
             traj = make_trajectory(group_id=i, prompt=prompt, response=t, rollout_log_probs=lp,
                                    reward=task.reward(prompt, t), collector_id=0, policy_version=0)
             traj.set("advantage", torch.randn(1, 1, generator=gen))

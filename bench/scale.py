@@ -167,7 +167,8 @@ def shard_ceiling(root: Path, n: int = 3000, window: int = 200) -> dict:
         confirm = pickle.dumps(("ceiling", "confirm", ("0" * 32,), {}))
         group = [ray.get(shard.call.remote("ceiling", "append", (-1, f"w0/{i:012d}", reward, token, False), {}))
                  for i in range(G)]  # one whole group: its last answer carries the claim
-        return {"appends_per_s": round(n / busy, 1), "noop_calls_per_s": round(n / noop, 1), "round_trip_us": round(rtt * 1e6, 1),
+        return {"appends_per_s": round(n / busy, 1), "noop_calls_per_s": round(n / noop, 1),
+                "round_trip_us": round(rtt * 1e6, 1),
                 "append_request_bytes": len(request), "append_answer_bytes": len(pickle.dumps(answer)),
                 "write_answer_bytes": len(pickle.dumps(group[-1])), "confirm_request_bytes": len(confirm)}
     finally:

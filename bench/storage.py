@@ -108,6 +108,7 @@ _TEMP_DIRS: list[str] = []  # every store this run made; removed when it ends
 def make_storage(backend: str, workload: str, total: int):
     """A fresh, empty storage of ``backend`` in a new temporary directory."""
     from torchrl.data import LazyMemmapStorage, LazyTensorStorage
+
     from rbpipe.storage import ArrowStorage, ZarrStorage
     tmp = tempfile.mkdtemp(prefix=f"rbpipe-bench-{backend}-")
     _TEMP_DIRS.append(tmp)
@@ -166,7 +167,8 @@ def run(quick: bool) -> list[dict]:
         for backend in BACKENDS:
             st, groups = stores[backend], inputs[backend]
 
-            def draw():
+            # defaults bind this iteration's values (the closures run within the iteration)
+            def draw(workload=workload, groups=groups, gen=gen, gsize=gsize, total=total):
                 if workload == "llm_groups":
                     gs = torch.randperm(len(groups), generator=gen)[:16]
                     return (gs[:, None] * gsize + torch.arange(gsize)).reshape(-1)
@@ -175,7 +177,7 @@ def run(quick: bool) -> list[dict]:
             def sample(st=st):
                 return st.get(draw())
 
-            def warm(st=st):  # every row read once, untimed (page cache and mappings)
+            def warm(st=st, total=total):  # every row read once, untimed (page cache and mappings)
                 for first in range(0, total, 256):
                     st.get(torch.arange(first, min(total, first + 256)))
 
@@ -196,7 +198,7 @@ def run(quick: bool) -> list[dict]:
                 for layout in ("padded", "rows"):
                     other = type(st)(st.path, create=False, ragged_layout=layout)
                     warm(other)  # a new handle: warmed like every other store
-                    dt = _timeit(lambda: other.get(draw()), reps)
+                    dt = _timeit(lambda other=other: other.get(draw()), reps)
                     results.append({"backend": f"{backend}-{layout}", "workload": workload, "op": "sample",
                                     "throughput": n / dt, "seconds_per_call": dt, "rows": n})
     return results
@@ -224,7 +226,8 @@ def main(argv=None) -> None:
     print(f"whole groups copied {copier}; torch threads: {torch.get_num_threads()}")
     print(f"{'workload':<11} {'op':<7} {'backend':<12} {'rows/s':>12} {'x memmap':>9}")
     for r in results:
-        line = f"{r['workload']:<11} {r['op']:<7} {r['backend']:<12} {r['throughput']:>12.0f} {r['ratio_vs_memmap']:>9.2f}"
+        line = (f"{r['workload']:<11} {r['op']:<7} {r['backend']:<12} {r['throughput']:>12.0f} "
+                f"{r['ratio_vs_memmap']:>9.2f}")
         if "sample_uncompacted_throughput" in r:
             line += (f"   (before compact(): {r['sample_uncompacted_throughput']:.0f} rows/s, "
                      f"{r['sample_uncompacted_throughput'] / base[(r['workload'], 'sample')]:.2f}x)")

@@ -45,7 +45,7 @@ def main(target: str) -> None:
             prompt = task.prompt(unit["prompt"])
             responses, log_probs = sample_responses(policy, prompt, unit["samples"],
                                                     max_new_tokens=cfg.max_new_tokens)
-            for response, lp in zip(responses, log_probs):
+            for response, lp in zip(responses, log_probs, strict=True):
                 client.extend(make_trajectory(
                     group_id=unit["prompt"], prompt=prompt, response=response, rollout_log_probs=lp,
                     reward=float(task.reward(prompt, response)), collector_id=client.collector_id,

@@ -216,7 +216,7 @@ def allocate_storage(storage, example) -> None:
 
 def _raise_len(storage, length: int) -> None:
     """Grow a torchrl tensor storage's (shared) length to ``length`` (never shrink it)."""
-    value = getattr(storage, "_len_value", None)
+    value: Any = getattr(storage, "_len_value", None)
     lock = value.get_lock() if hasattr(value, "get_lock") else contextlib.nullcontext()
     with lock:
         storage._len = max(storage._len, length)

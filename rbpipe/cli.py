@@ -8,8 +8,8 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from rbpipe.errors import ConfigError, RbpipeError
 
@@ -250,8 +250,15 @@ def _add_export(sub) -> None:
                    help="output Zarr store directory (must not exist yet)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rbpipe", description=DESCRIPTION, epilog=EPILOG,
+class RbpipeParser(argparse.ArgumentParser):
+    """The top-level parser; keeps its ``run`` and ``serve`` subparsers (``explicit_options`` reads them)."""
+
+    run_parser: argparse.ArgumentParser
+    serve_parser: argparse.ArgumentParser
+
+
+def build_parser() -> RbpipeParser:
+    parser = RbpipeParser(prog="rbpipe", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.run_parser = _add_run(sub)
@@ -422,7 +429,8 @@ def _inspect(args) -> int:
     print(f"store {info['store']}  backend={info['backend']}  format v{info['format_version']}  "
           f"groups={info['groups_committed']}  rows={info['rows']}")
     tail = info.get("torn_tail") or {}
-    if any(v for v in tail.values() if isinstance(v, (int, float))) or any(isinstance(v, dict) and v for v in tail.values()):
+    if any(v for v in tail.values() if isinstance(v, (int, float))) \
+            or any(isinstance(v, dict) and v for v in tail.values()):
         print(f"note: uncommitted bytes were ignored (never served): {tail}")
     from rbpipe.inspect_view import format_groups
 

@@ -172,7 +172,7 @@ class RunConfig:
         return d
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "RunConfig":
+    def from_json(cls, data: dict[str, Any]) -> RunConfig:
         data = dict(data)
         data["policy"] = PolicyConfig(**data.get("policy", {}))
         if data.get("keep_return_bounds") is not None:

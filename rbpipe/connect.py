@@ -12,18 +12,21 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rbpipe.config import RunConfig
 from rbpipe.endpoint import REGISTRY_NAME, Attachment, attach
-from rbpipe.grouping.manager import call
 from rbpipe.errors import BadTrajectoryError, ConfigError, RbpipeError, StoreError
+from rbpipe.grouping.manager import call
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.task_spec import normalize_spec
 from rbpipe.weights import SharedWeights
+
+if TYPE_CHECKING:
+    from rbpipe.rayengine import RayWeights
 
 
 def check_store_path(store: Path) -> None:
@@ -66,7 +69,8 @@ class _Attached:
         if spec.get("engine") == "ray":
             from rbpipe.rayengine import RayWeights
 
-            self._weights = RayWeights(self.attachment.manager.coordinator_actor, spec["numel"])
+            self._weights: SharedWeights | RayWeights = RayWeights(self.attachment.manager.coordinator_actor,
+                                                                   spec["numel"])
         else:
             self._weights = SharedWeights(spec["path"], spec["numel"])
         self.coordinator = self.attachment.coordinator
@@ -134,7 +138,7 @@ class CollectorClient(_Attached):
         self._wanted_id = collector_id
         self._unreported_ns = {"generate_ns": 0, "handover_ns": 0}  # sent with the next count
         self._join()
-        self._model = None
+        self._model: torch.nn.Module | None = None
 
     def _join(self) -> None:
         self.lease = self.buffer.grouping_transform.lease_token()
@@ -205,10 +209,11 @@ class CollectorClient(_Attached):
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, state_dict)`` of the latest published policy (the run's model architecture)."""
-        if self._model is None:
-            self._model = self.config.make_model()
-        version = self.load_weights(self._model)
-        return version, self._model.state_dict()
+        model = self._model
+        if model is None:
+            model = self._model = self.config.make_model()
+        version = self.load_weights(model)
+        return version, model.state_dict()
 
     def close(self) -> None:
         """Leave: what this collector still owed goes back to the others at once; its segment is sealed."""
@@ -219,7 +224,7 @@ class CollectorClient(_Attached):
         self.buffer.grouping_transform.close()
         self.storage.close()
 
-    def __enter__(self) -> "CollectorClient":
+    def __enter__(self) -> CollectorClient:
         return self
 
     def __exit__(self, *exc) -> None:

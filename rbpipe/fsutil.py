@@ -15,12 +15,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Union
+from typing import Any
 
 #: what :func:`atomic_write` writes: bytes, or a function that writes the temporary file at the path given
-Content = Union[bytes, str, Callable[[str], None]]
+Content = bytes | str | Callable[[str], None]
 
 
 def atomic_write(path: str | os.PathLike, content: Content, *, fsync: bool = True, replace: bool = True,
@@ -88,8 +89,10 @@ def file_lock(target: str | os.PathLike | int, *, blocking: bool = True) -> Iter
         ...     held
         True
     """
-    own = not isinstance(target, int)
-    fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644) if own else target
+    if isinstance(target, int):
+        own, fd = False, target
+    else:
+        own, fd = True, os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

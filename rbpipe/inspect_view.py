@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import textwrap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 #: what ``rbpipe query --help`` says about the two views (a test checks it names every column of a run's store)
 VIEWS_HELP = """\
@@ -55,7 +56,7 @@ def format_groups(groups: list[dict[str, Any]], columns=GROUP_COLUMNS) -> str:
         for i in range(max(len(c) for c in cells)):
             left = (f"{str(g.get('group_id')):>{_ID_W}}  {g.get('members', 0):>{_N_W}}  " if i == 0
                     else " " * (_ID_W + _N_W + 4))
-            row = "  ".join(f"{c[i] if i < len(c) else '':<{w}}" for c, (_, _, w) in zip(cells, columns))
+            row = "  ".join(f"{c[i] if i < len(c) else '':<{w}}" for c, (_, _, w) in zip(cells, columns, strict=True))
             out.append((left + row).rstrip())
     return "\n".join(out)
 
@@ -78,7 +79,8 @@ def format_table(names: list[str], rows: list[list[Any]], max_width: int = 60) -
     widths = [max([len(n)] + [len(line) for r in cells for line in r[j]]) for j, n in enumerate(names)]
 
     def line(parts: list[str]) -> str:
-        return "  ".join(p.rjust(w) if num else p.ljust(w) for p, w, num in zip(parts, widths, numeric)).rstrip()
+        return "  ".join(p.rjust(w) if num else p.ljust(w)
+                         for p, w, num in zip(parts, widths, numeric, strict=True)).rstrip()
 
     out = [line(names), "  ".join("-" * w for w in widths)]
     for r in cells:

@@ -9,7 +9,8 @@ accept (``rbpipe.storage.protocol.GroupStore.accepts_jagged``) and write as chea
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -17,7 +18,7 @@ from tensordict import TensorDict
 try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
     from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (~4x cheaper per call)
 except ImportError:  # a torch that moved it: the public constructor
-    _NestedTensor = None
+    _NestedTensor = None  # type: ignore[misc, assignment]  # (the optional-import idiom: None = not available)
 
 
 def jagged_tensor(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def concat_leaves(payloads: Sequence[tuple[Any, list]], jagged: Sequence[bool], 
     same order for every member; ``jagged[i]``: leaf ``i`` differs in length across (one-step) members and
     becomes a jagged leaf; ``decode(raw, dtype, shape)`` makes a tensor of raw bytes."""
     group = TensorDict(batch_size=[n])
-    for i, ((key, dtype, shape0, _), is_jagged) in enumerate(zip(payloads[0][1], jagged)):
+    for i, ((key, dtype, shape0, _), is_jagged) in enumerate(zip(payloads[0][1], jagged, strict=True)):
         column = [leaves[i] for _, leaves in payloads]
         data = b"".join(raw for *_, raw in column)
         if is_jagged:

@@ -74,7 +74,7 @@ def truncate_csv_logs(root: Path, step: int) -> None:
     """Drop CSV-logger lines past ``step`` (a resume trains those steps again; each must appear once)."""
     for f in root.rglob("*.csv"):
         lines = f.read_text().splitlines(keepends=True)
-        keep = [ln for ln in lines if ln.endswith("\n") and _csv_step(ln) is not None and _csv_step(ln) <= step]
+        keep = [ln for ln in lines if ln.endswith("\n") and (s := _csv_step(ln)) is not None and s <= step]
         if len(keep) != len(lines):
             tmp = f.with_name(f.name + ".tmp")
             tmp.write_text("".join(keep))
@@ -111,7 +111,7 @@ class MetricsSink:
     def close(self) -> None:
         """Flush and close: TensorBoard's writer buffers events, W&B and MLflow keep a run open."""
         self._file.close()
-        experiment = getattr(self.logger, "experiment", None)
+        experiment: Any = getattr(self.logger, "experiment", None)
         if self.kind == "tensorboard":
             experiment.close()
         elif self.kind == "wandb":
@@ -124,7 +124,7 @@ class MetricsSink:
             for f in getattr(experiment, "files", {}).values():
                 f.close()
 
-    def __enter__(self) -> "MetricsSink":
+    def __enter__(self) -> MetricsSink:
         return self
 
     def __exit__(self, *exc) -> None:

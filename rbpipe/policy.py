@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -111,7 +112,9 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
 
 def vocab_size(model: torch.nn.Module) -> int:
     """Token ids a model can embed (the limit a task's prompts must respect)."""
-    return int(model.get_input_embeddings().weight.shape[0])
+    # torch types a module attribute as ``Tensor | Module``: this one is transformers' method
+    get_embeddings = cast("Callable[[], torch.nn.Embedding]", model.get_input_embeddings)
+    return int(get_embeddings().weight.shape[0])
 
 
 def max_positions(model: torch.nn.Module) -> int | None:
@@ -130,8 +133,8 @@ def build_learner_actor(model: torch.nn.Module, tokenizer: Any = None):
 
 
 @torch.no_grad()
-@functools.lru_cache(maxsize=None)
-def _cache_arg(model_cls: type) -> str:
+@functools.cache
+def _cache_arg(model_cls: type[torch.nn.Module]) -> str:
     """transformers >= 5.x names the KV cache argument ``cache`` (``past_key_values`` warns); older: the latter.
     Looked up once per model class, not once per prompt."""
     return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
@@ -148,7 +151,8 @@ def sample_responses(model: torch.nn.Module, prompt: torch.Tensor, num_samples: 
     seq = prompt.reshape(1, -1).expand(num_samples, -1).clone()
     tokens, log_probs, past = [], [], None
     step_input = seq
-    cache_arg = _cache_arg(type(model))
+    # (torch's stub of Module.__hash__ makes mypy take the class object for unhashable)
+    cache_arg = _cache_arg(type(model))  # type: ignore[arg-type]
     for _ in range(max_new_tokens):
         out = model(input_ids=step_input, use_cache=True, **{cache_arg: past})
         past = getattr(out, cache_arg)

@@ -10,7 +10,8 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import multiprocess
 import multiprocess.context
@@ -89,7 +90,7 @@ def shared_memory_dir() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
-def sweep_dead_files(directory: str | os.PathLike, prefix: str) -> int:
+def sweep_dead_files(directory: str | os.PathLike[str], prefix: str) -> int:
     """Unlink ``<prefix><pid>-*`` files of processes that are gone (a SIGKILLed owner never removes its own
     shared-memory files, and /dev/shm is RAM); returns how many."""
     n = 0
@@ -190,7 +191,7 @@ def run_worker(name: str, main: Callable[..., Any], *args: Any, cleanup: Callabl
     except Exception as err:  # noqa: BLE001 - reported by the supervisor
         print(f"[{name}] failed: {type(err).__name__}: {err}", flush=True)
         traceback.print_exc()
-        raise SystemExit(1)
+        raise SystemExit(1) from err
     finally:
         if cleanup is not None:
             cleanup()

@@ -91,10 +91,11 @@ def _zarr_columns(store: Path, cols: list[dict], live: list[dict]) -> dict[str, 
     """Per column, one numpy array per live group, read with plain zarr."""
     import zarr
 
-    group = zarr.open_group(str(store / "data.zarr"), mode="r") if live else None
+    # zarr types a member as ``Array | Group``: every member read here is an array
+    group: Any = zarr.open_group(str(store / "data.zarr"), mode="r") if live else None
     out: dict[str, list[np.ndarray]] = {c["column"]: [] for c in cols}
     for c in cols:
-        arr = group[c["column"] + (".shape" if c["shape"] is None else "")] if live else None
+        arr: Any = group[c["column"] + (".shape" if c["shape"] is None else "")] if live else None
         for rec in live:
             row, n = rec["loc"]["row"], rec["n"]
             part = np.asarray(arr[row:row + n])
@@ -102,8 +103,8 @@ def _zarr_columns(store: Path, cols: list[dict], live: list[dict]) -> dict[str, 
                 starts = np.asarray(group[c["column"] + ".start"][row:row + n])
                 lo, hi = int(starts.min()), int((starts + part[:, 0]).max()) if n else 0
                 data = bytes(np.asarray(group[c["column"] + ".values"][lo:hi])) if n else b""
-                part = np.asarray([data[a - lo:a - lo + k].decode() for a, k in zip(starts.tolist(),
-                                                                                   part[:, 0].tolist())], object)
+                part = np.asarray([data[a - lo:a - lo + k].decode()
+                                   for a, k in zip(starts.tolist(), part[:, 0].tolist(), strict=True)], object)
             elif c["shape"] is None:
                 part = part[:, 0] if part.ndim == 2 and part.shape[1] else np.ones(n, np.int64)
             else:
@@ -198,12 +199,12 @@ def _plain(value: Any) -> Any:
 
 def _rows(table: pa.Table) -> list[list[Any]]:
     """Rows as lists (``to_pylist`` gives dicts, which lose a column whose name repeats)."""
-    return [list(r) for r in zip(*(c.to_pylist() for c in table.columns))] if table.num_columns else []
+    return [list(r) for r in zip(*(c.to_pylist() for c in table.columns), strict=True)] if table.num_columns else []
 
 
 def to_json(table: pa.Table) -> str:
     """One JSON document: ``{"columns": [names], "rows": [{name: value}, ...]}`` (strict JSON: NaN -> null)."""
-    rows = [{k: _plain(v) for k, v in zip(table.column_names, r)} for r in _rows(table)]
+    rows = [{k: _plain(v) for k, v in zip(table.column_names, r, strict=True)} for r in _rows(table)]
     return json.dumps({"columns": table.column_names, "rows": rows}, allow_nan=False)
 
 

@@ -125,7 +125,7 @@ class RateLimiter:
                 "groups_per_step": cfg.groups_per_step}
 
     @classmethod
-    def for_run(cls, cfg: Any, path: str | os.PathLike, *, create: bool = True, writers: int = 1) -> "RateLimiter":
+    def for_run(cls, cfg: Any, path: str | os.PathLike, *, create: bool = True, writers: int = 1) -> RateLimiter:
         """The limiter of a :class:`~rbpipe.config.RunConfig` (a service's coordinator is its one writer)."""
         return cls(**cls.settings_for_run(cfg), writers=writers, path=path, create=create)
 

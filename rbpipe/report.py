@@ -12,7 +12,7 @@ PLOT = "reward.png"
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Learner metrics, one JSON object per line; a torn last line (crash mid-write) is skipped."""
-    records = []
+    records: list[dict[str, Any]] = []
     if not Path(path).exists():
         return records
     for line in Path(path).read_text().splitlines():
@@ -116,13 +116,14 @@ def _plot_timing(ax, records: list[dict[str, Any]]) -> None:
     lag = [(r["step"], r["learner/policy_lag"]) for r in records if "learner/policy_lag" in r]
     lines = []
     if busy:
-        lines += ax.plot(*zip(*busy), color="#d95f02", linewidth=1, label="learner busy (loss, backward, optimizer)")
+        lines += ax.plot(*zip(*busy, strict=True), color="#d95f02", linewidth=1,
+                         label="learner busy (loss, backward, optimizer)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_ylabel("busy fraction")
     ax.grid(alpha=0.3)
     if lag:
         right = ax.twinx()
-        lines += right.plot(*zip(*lag), color="#7570b3", linewidth=1, label="policy lag (versions, mean)")
+        lines += right.plot(*zip(*lag, strict=True), color="#7570b3", linewidth=1, label="policy lag (versions, mean)")
         right.set_ylabel("policy lag")
         right.set_ylim(bottom=0)
     ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right", fontsize="small")

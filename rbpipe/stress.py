@@ -134,7 +134,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
         p.write_text(json.dumps(share))
         share_paths.append(str(p))
     storage = _open_storage(store)
-    kwargs = dict(trajectory_return="sum")
+    kwargs: dict[str, Any] = dict(trajectory_return="sum")
     if dynamic_sampling:
         kwargs["keep_return_bounds"] = (0.01, 0.99)
     manager = start_manager() if grouping == "rbpipe" else None
@@ -191,7 +191,8 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
                         procs[w] = None
             if all(p is None for p in procs):
                 break
-            if kill_rate > 0 and delta > 0 and (max_kills is None or kills < max_kills) and rng.random() < 1 - (1 - kill_rate) ** delta:
+            if kill_rate > 0 and delta > 0 and (max_kills is None or kills < max_kills) \
+                    and rng.random() < 1 - (1 - kill_rate) ** delta:
                 alive = [w for w, p in enumerate(procs) if p is not None and p.is_alive()]
                 if alive:
                     victim = rng.choice(alive)

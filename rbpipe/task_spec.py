@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,6 +61,7 @@ def _load_module(spec: str, where: str):
         if mod_name in sys.modules:
             return sys.modules[mod_name]
         loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+        assert loader_spec is not None and loader_spec.loader is not None  # always, for a .py file
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
         try:
@@ -84,6 +86,7 @@ def _one_line(err: BaseException) -> str:
 
 def _build(target: Any, seed: int) -> Any:
     """Call a class or factory, passing ``seed`` when it takes one (the built-in task does)."""
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):

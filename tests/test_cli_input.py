@@ -16,6 +16,7 @@ from rbpipe.errors import ConfigError
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, step_counts
 from rbpipe.policy import build_learner_actor, build_model
 
+
 def one_line_error(capsys, code: int, expected_code: int, *words: str) -> str:
     err = capsys.readouterr().err
     assert code == expected_code, err

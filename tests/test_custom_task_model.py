@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from rbpipe.policy import PolicyConfig, build_model, build_tokenizer
-from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, ROLLOUT_LOG_PROBS_KEY, VERSION_KEY
+from rbpipe.schema import (
+    GROUP_KEY,
+    PROMPT_TOKENS_KEY,
+    RESPONSE_TOKENS_KEY,
+    REWARD_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+    VERSION_KEY,
+)
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "1",
        "--groups-per-step", "2", "--grpo-size", "4"]
@@ -198,7 +205,7 @@ def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_start
         (["--task", f"{task_file}:HugeIds"], "vocabulary"),
         (["--task", "not-a-spec"], "not a task spec"),
     ]
-    for name, path in _bad_model_dirs(tmp_path).items():
+    for path in _bad_model_dirs(tmp_path).values():
         cases.append((["--model", str(path)], "--model"))
     capsys.readouterr()  # save_pretrained's own progress output
     for args, expected in cases:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 # not importorskip: `pip install -e .[test]` installs tensorboard, and a missing reader must fail this test
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

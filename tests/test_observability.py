@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 # not importorskip: the test extra installs tensorboard, and a missing reader must fail loudly
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -90,8 +90,8 @@ def test_stored_groups_are_whole_cross_writer_and_correctly_normalised(short_run
 
 @pytest.mark.timeout(300)
 def test_learner_read_exactly_the_rows_the_collectors_wrote(short_run):
-    from rbpipe.storage import open_storage
     from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY
+    from rbpipe.storage import open_storage
 
     storage = open_storage(short_run / "store")
     stored: dict[int, list[int]] = {}

@@ -19,15 +19,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-
 from rbpipe.config import RunConfig
 from rbpipe.connect import check_store_path, open_run_store
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
-from rbpipe.progress import LEARNER_READY, STARTING, SUMMARY as WRITING_SUMMARY, phase, postfix
 from rbpipe.procs import quiet_killed_worker_trackers, quiet_spawn_context, same_process_alive, start_time
-from rbpipe.report import (PLOT, SUMMARY, MetricsTail, first_last_fraction, last_mean, plot_rewards, read_metrics,
-                           summary_table, timing_summary)
+from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix
+from rbpipe.progress import SUMMARY as WRITING_SUMMARY
+from rbpipe.report import (
+    PLOT,
+    SUMMARY,
+    MetricsTail,
+    first_last_fraction,
+    last_mean,
+    plot_rewards,
+    read_metrics,
+    summary_table,
+    timing_summary,
+)
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
@@ -150,7 +159,7 @@ class StopRequest:
         self.signals: list[str] = []
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         import threading
 
         if threading.current_thread() is not threading.main_thread():
@@ -285,6 +294,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
             session = RaySession(ray.get("address"), num_cpus=max(2, cfg.collectors + 1)).start()
             ctx.namespace = session.namespace
         service.start(log=log)
+        assert service.manager is not None  # (started)
         session_start = {"produced": 0, "rejected": 0, "rows": service.rows_at_start, "requeued": service.requeued,
                          "torn": service.torn}
         stop_request.check()
@@ -303,6 +313,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         for w in workers:
             _start(ctx, w, pids, run_dir)
         if engine == "ray":
+            assert session is not None  # (started above)
             atomic_write_json(run_dir / RAY_WORKERS, {"namespace": session.namespace, "workers": ctx.placed})
         status = _supervise(cfg, workers, service, run_dir, pids, stop_request, progress=progress, log=log,
                             ctx=ctx)
@@ -555,7 +566,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
         "learner_steps": records[-1]["step"] if records else 0,
         "reward_first20": first, "reward_last20": last, "reward_last10": last10,
         "target_reward": cfg.target_reward,
-        "reached_target": cfg.target_reward is not None and len(rewards) >= 10 and last10 >= cfg.target_reward,
+        "reached_target": (cfg.target_reward is not None and len(rewards) >= 10 and last10 is not None
+                           and last10 >= cfg.target_reward),
         "timing": timing_summary(records),
         "stale_trajectories": int(final.get("learner", {}).get("stale_trajectories", 0)),
         "restarts": sum(w.restarts for w in workers[1:]),

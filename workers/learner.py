@@ -5,12 +5,13 @@ It reads the store (not the collectors): whatever was committed is trainable, in
 
 from __future__ import annotations
 
-import functools
 import copy
+import functools
 import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchrl.data import ReplayBuffer
@@ -24,9 +25,9 @@ from rbpipe.policy import build_learner_actor
 from rbpipe.procs import run_worker
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.sampling import FreshGroupSampler
+from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage import collate_identity
 from rbpipe.storage.gather import parallel_available
-from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -144,9 +145,11 @@ def _train(client: LearnerClient) -> None:
             collectors_now = client.collectors_timing()
             spent = {k: collectors_now[k] - collectors_mark[k] for k in collectors_now}
             collectors_mark = collectors_now
+            record: dict[str, Any]
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
-                      "groups_consumed": sampler.consumed_groups, "trained_groups": trained, "stale_groups": sampler.stale_groups,
+                      "groups_consumed": sampler.consumed_groups, "trained_groups": trained,
+                      "stale_groups": sampler.stale_groups,
                       "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
                       "learner/policy_lag_max": float(lag.max()),
                       "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups

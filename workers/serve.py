@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
@@ -22,6 +22,11 @@ from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from workers.learner import METRICS, load_checkpoint, truncate_metrics
+
+if TYPE_CHECKING:
+    from rbpipe.buffer import GroupReplayBuffer
+    from rbpipe.grouping.manager import GroupingManager
+    from rbpipe.rayengine import RayManager, RayWeights
 
 
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
@@ -53,7 +58,10 @@ class Service:
         self.listen = listen
         self.engine, self.grouping_shards = engine, int(grouping_shards)
         self.expect_collectors = expect_collectors
-        self.manager = self.buffer = self.coordinator = self.weights = None
+        self.manager: GroupingManager | RayManager | None = None
+        self.buffer: GroupReplayBuffer | None = None
+        self.coordinator: Any = None  # the coordinator's proxy (a Ray actor handle with engine="ray")
+        self.weights: SharedWeights | RayWeights | None = None
         self.requeued = self.torn = 0
         self.rows_at_start = 0
 
@@ -110,6 +118,7 @@ class Service:
         """The coordinator's figures plus the grouping counters (:class:`ManagerDiedError` if it is gone)."""
         try:
             status = dict(self.coordinator.status())
+            assert self.buffer is not None  # (started)
             status["grouping"] = dict(self.buffer.grouping_transform.get_stats())
         except ManagerDiedError:
             raise

@@ -21,7 +21,7 @@ import multiprocessing.context as std_context
 import multiprocessing.process as std_process
 import multiprocessing.reduction as std_reduction
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import multiprocess.context as mp_context
 
@@ -32,7 +32,8 @@ def spawning() -> bool:
 
 
 def _rebuild(authkey: bytes, payload: bytes) -> Any:
-    std_process.current_process().authkey = std_process.AuthenticationString(authkey)
+    # AuthenticationString exists at runtime but is not in typeshed's multiprocessing.process
+    std_process.current_process().authkey = std_process.AuthenticationString(authkey)  # type: ignore[attr-defined]
     return pickle.loads(payload)
 
 
@@ -56,7 +57,7 @@ def bridged_reduce(obj: Any) -> tuple:
     popen = mp_context.get_spawning_popen()
     set_here = popen is not None and std_context.get_spawning_popen() is None
     if set_here:
-        std_context.set_spawning_popen(_DedupPopen(popen))
+        std_context.set_spawning_popen(cast(Any, _DedupPopen(popen)))  # duck-typed: typeshed names concrete Popens
     try:
         buf = io.BytesIO()
         std_reduction.ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)

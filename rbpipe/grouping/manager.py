@@ -12,7 +12,7 @@ import secrets
 import select
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multiprocess import connection as _mp_connection
 from multiprocess import managers as _mp_managers
@@ -22,6 +22,9 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
 from rbpipe.procs import die_with_parent, quiet_spawn_context
+
+if TYPE_CHECKING:
+    from rbpipe.rayengine import RayManager  # the same registry/coordinator interface, over Ray actors
 
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
@@ -268,7 +271,7 @@ def call(proxy, method: str, *args, **kwargs):
             "are re-queued from the staging directory when the run is resumed)") from err
 
 
-def open_registry(manager: GroupingManager, name: str, options: dict | None = None, shards: int = 16,
+def open_registry(manager: GroupingManager | RayManager, name: str, options: dict | None = None, shards: int = 16,
                   staging: dict | None = None):
     """Proxy to the registry ``name`` in ``manager`` (created with ``options`` if new; joining one with other
     options or another staging directory raises :class:`ConfigError`). ``staging``: ``{"path": str,
@@ -285,7 +288,7 @@ def open_registry(manager: GroupingManager, name: str, options: dict | None = No
     return proxy
 
 
-def open_coordinator(manager: GroupingManager, name: str, settings: dict | None = None):
+def open_coordinator(manager: GroupingManager | RayManager, name: str, settings: dict | None = None):
     """Proxy to the service's :class:`~rbpipe.coordinator.Coordinator` of registry ``name`` (created with
     ``settings``, after the registry, by the service; joined by workers)."""
     if _CONNECTION_PID != os.getpid():

@@ -39,6 +39,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,7 +190,8 @@ class GroupRegistry:
     def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
                  staging: dict | None = None, leases: LeaseTable | None = None) -> None:
         self._options = dict(options)
-        self.on_append = None  # (manager-side) on_append(group, owner, n): n samples of group were appended
+        # (manager-side) on_append(group, owner, n): n samples of group were appended in one call
+        self.on_append: Callable[[Any, Any, int], None] | None = None
         self._leases = LEASES if leases is None else leases  # the manager process's one table
         self.staging = dict(staging) if staging else None
         self._quarantine: list[dict] = []
@@ -302,6 +304,8 @@ class GroupRegistry:
                 shard.fields[hidx] = _fields_td(reward)
             mc = shard.mc
             before = {name: mc._stats[name] for name in DEFERRED}
+            failed: Exception | None
+            result: dict[str, Any]
             try:
                 out = mc._inv_call_single(self._skeleton(gid, hidx, reward))  # torchrl's per-trajectory decision
             except Exception as err:  # noqa: BLE001 - a decision that raised must not leave its group stuck
@@ -491,7 +495,7 @@ class GroupRegistry:
 
     def clear_queues(self) -> list[str]:
         """Forget incomplete groups (not claims); returns their staged handles so the caller can delete them."""
-        dropped = []
+        dropped: list[str] = []
         for shard in self._shards:
             with shard.lock:
                 shard.mc.clear_queues()

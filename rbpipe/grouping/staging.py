@@ -47,8 +47,9 @@ entry carry a fourth element, its kind, for trajectories with batch size ``[T]``
 
 Any other non-tensor leaf is refused (:class:`~rbpipe.errors.BadTrajectoryError`): nothing is ever pickled.
 A version 2 payload reads back as a ``LazyStackedTensorDict`` of ``T`` steps (strings as ``NonTensorData``);
-its leaves whose steps all have one shape are written as version 1 leaves (no kind). A group that cannot be written is moved whole to ``quarantine/<claim id>/``
-(its payloads and a ``reason.json``), out of the handle namespace, for a person to inspect.
+its leaves whose steps all have one shape are written as version 1 leaves (no kind). A group that cannot be written
+is moved whole to ``quarantine/<claim id>/`` (its payloads and a ``reason.json``), out of the handle namespace,
+for a person to inspect.
 """
 
 from __future__ import annotations
@@ -344,15 +345,15 @@ def _steps_from_leaves(steps: int, leaves: list[tuple]) -> TensorDictBase:
     for key, dtype, shape, raw in leaves:
         if dtype == STR:
             text, at = bytes(raw), 0
-            for row, n in zip(rows, shape):
+            for row, n in zip(rows, shape, strict=True):
                 row.set_non_tensor(key, text[at:at + n].decode())
                 at += n
         elif is_plain(dtype):
-            for row, t in zip(rows, decode_tensor(raw, dtype, shape).unbind(0)):
+            for row, t in zip(rows, decode_tensor(raw, dtype, shape).unbind(0), strict=True):
                 row.set(key, t)
         else:
             flat = decode_tensor(raw, dtype[1], (len(raw) // _ITEMSIZE[dtype[1]],))
-            for row, t, s in zip(rows, flat.split([math.prod(s) for s in shape]), shape):
+            for row, t, s in zip(rows, flat.split([math.prod(s) for s in shape]), shape, strict=True):
                 row.set(key, t.reshape(s))
     return lazy_stack(rows, 0)
 
@@ -486,7 +487,8 @@ class Staging:
             raise StagingError(f"cannot create the staging directory {self.path}: {err}. Pass a writable "
                                "staging_dir (e.g. STORE/staging)") from err
         self._dir = str(self.path)
-        self._pid = self._prefix = None
+        self._pid: int | None = None
+        self._prefix: str | None = None
         self._counter = itertools.count()
         self._free: list[str] = []
         self._free_ids = itertools.count()
@@ -497,12 +499,12 @@ class Staging:
         return {"path": str(self.path)}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+        type(self).__init__(self, state["path"])
 
     def _own(self) -> str:
         """This process's subdirectory name (a forked child gets its own, and not the parent's free files)."""
         pid = os.getpid()
-        if self._pid != pid:
+        if self._pid != pid or self._prefix is None:  # (the two are set together)
             try:
                 prefix = _new_owned_dir(self._dir, pid)
             except OSError as err:
@@ -525,7 +527,7 @@ class Staging:
         if self._misses < self.RESCAN_EVERY:
             return None
         self._misses = 0  # files other processes released into our subdirectory since we last looked
-        own = os.path.join(self._dir, self._prefix)
+        own = os.path.join(self._dir, self._own())  # (put set it: the same prefix)
         with os.scandir(own) as it:
             self._free.extend(e.path for e in it if e.name.startswith(self.FREE))
         return self._free.pop() if self._free else None
@@ -614,7 +616,7 @@ class Staging:
         paths = [self._path(h) for h in handles]  # every handle checked before any file is touched
         prefix = self._own()
         recent = self._recent
-        for handle, path in zip(handles, paths):
+        for handle, path in zip(handles, paths, strict=True):
             recent.pop(handle, None)
             owner = os.path.dirname(handle)
             try:
@@ -633,7 +635,8 @@ class Staging:
         and those that were renamed into the subdirectories of processes that are gone (at exit; a killed
         process leaves its own to the next :meth:`sweep`)."""
         self._free = []
-        if self._pid == os.getpid() and _release_own(os.path.join(self._dir, self._prefix)):
+        if self._pid == os.getpid() and self._prefix is not None \
+                and _release_own(os.path.join(self._dir, self._prefix)):
             self._pid = None  # its subdirectory is gone: a later put makes a new one
         try:
             self.sweep()
@@ -657,7 +660,7 @@ class Staging:
         paths = [self._path(h) for h in handles]
         target = self.path / QUARANTINE / claim_id
         _private_dir(target)
-        for i, (handle, path) in enumerate(zip(handles, paths)):
+        for i, (handle, path) in enumerate(zip(handles, paths, strict=True)):
             self._recent.pop(handle, None)
             try:
                 os.rename(path, target / f"{i}{self.SUFFIX}")

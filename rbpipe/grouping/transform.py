@@ -21,9 +21,11 @@ import threading
 import uuid
 import warnings
 import weakref
+from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,10 +36,17 @@ from rbpipe.errors import BadTrajectoryError, ConfigError
 from rbpipe.grouping.leases import ttl_from_env
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
-from rbpipe.grouping.staging import (PLAIN, Staging, decode_leaves, encode_td, remove_at_exit,
-                                     td_from_leaves, temporary_staging_parent)
-from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
+from rbpipe.grouping.staging import (
+    PLAIN,
+    Staging,
+    decode_leaves,
+    encode_td,
+    remove_at_exit,
+    td_from_leaves,
+    temporary_staging_parent,
+)
 from rbpipe.members import concat_leaves
+from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
 
 
 def selector_fields(selector: MCAdvantageSelector) -> tuple[tuple[str, ...], ...]:
@@ -145,7 +154,14 @@ def _register_lease_hooks(*_) -> None:
 
 atexit.register(_release_leases)
 _register_lease_hooks()
-os.register_at_fork(after_in_child=lambda: (_forget_leases(), _register_lease_hooks()))
+
+
+def _leases_after_fork() -> None:
+    _forget_leases()
+    _register_lease_hooks()
+
+
+os.register_at_fork(after_in_child=_leases_after_fork)
 
 
 def _register_after_multiprocess_fork() -> None:
@@ -362,15 +378,15 @@ class SharedMCAdvantage(MCAdvantage):
 
     @property
     def queued_groups(self) -> int:
-        return self.get_stats()["queued_groups"]
+        return int(self.get_stats()["queued_groups"])
 
     @property
     def queued_trajectories(self) -> int:
-        return self.get_stats()["queued_trajectories"]
+        return int(self.get_stats()["queued_trajectories"])
 
     @property
     def max_queued_trajectories_per_group(self) -> int:
-        return self.get_stats()["max_queued_trajectories_per_group"]
+        return int(self.get_stats()["max_queued_trajectories_per_group"])
 
     # -- splitting and validation (as MCAdvantage._inv_call, before anything is shared) --------------------------
     def split_trajectories(self, tensordict: TensorDictBase) -> list[TensorDictBase]:
@@ -396,7 +412,7 @@ class SharedMCAdvantage(MCAdvantage):
                      else done.reshape(steps, -1).any(-1).cpu().numpy())
         if np.count_nonzero(step_done) > 1:
             ends = (np.flatnonzero(step_done) + 1).tolist()
-            sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
+            sizes = [b - a for a, b in zip([0] + ends[:-1], ends, strict=True)]
             if sum(sizes) < tensordict.shape[0]:
                 sizes.append(tensordict.shape[0] - sum(sizes))
             return list(tensordict.split(sizes))
@@ -547,12 +563,12 @@ class SharedMCAdvantage(MCAdvantage):
 
     def _members_of(self, payloads: list, advantages: list) -> list[TensorDictBase]:
         members = []
-        for payload, adv in zip(payloads, advantages):
+        for payload, adv in zip(payloads, advantages, strict=True):
             traj = td_from_leaves(*payload)
             reward = leaf_steps(traj, self.rewards_key)
             if isinstance(reward, list):  # per-token rewards: each step gets its tokens' advantages
                 parts = decode_tensor(*adv).reshape(-1).split([r.numel() for r in reward])
-                for row, r, a in zip(traj.unbind(0), reward, parts):
+                for row, r, a in zip(traj.unbind(0), reward, parts, strict=True):
                     row.set(self.advantage_key, a.reshape(r.shape))
             else:
                 traj.set(self.advantage_key, decode_tensor(*adv).reshape(reward.shape))
@@ -578,7 +594,7 @@ class SharedMCAdvantage(MCAdvantage):
         kinds = []  # per leaf: True = jagged, False = dense; checked for every leaf before anything is decoded
         for i, (key, dtype, shape0, _) in enumerate(leaves0):
             same = True
-            for (_, leaves), size in zip(payloads, sizes):
+            for (_, leaves), size in zip(payloads, sizes, strict=True):
                 k, dt, shape, _ = leaves[i]
                 if dt not in PLAIN or k != key or dt != dtype or len(shape) != len(shape0) or shape[0] != size:
                     return
@@ -590,7 +606,8 @@ class SharedMCAdvantage(MCAdvantage):
         reward = group.get(self.rewards_key, None)
         if reward is None or reward.is_nested:
             return
-        advs = [decode_tensor(*adv).reshape(size, *reward.shape[1:]) for adv, size in zip(claim.advantages, sizes)]
+        advs = [decode_tensor(*adv).reshape(size, *reward.shape[1:])
+                for adv, size in zip(claim.advantages, sizes, strict=True)]
         group.set(self.advantage_key, advs[0] if len(advs) == 1 else torch.cat(advs, 0))
         if any(kinds):
             claim.jagged = group
@@ -623,7 +640,7 @@ class SharedMCAdvantage(MCAdvantage):
         return groups[0] if len(groups) == 1 else self._cat_tensordicts(groups, 0)
 
     # -- recovery: the one path (a resumed service requeues what is staged on disk) ------------------------------
-    def requeue_staged(self, skip: set[str] = frozenset()) -> tuple[list[Claim], int, int]:
+    def requeue_staged(self, skip: AbstractSet[str] = frozenset()) -> tuple[list[Claim], int, int]:
         """After a crash: hand every trajectory still staged on disk to the registry again.
 
         A staged payload was handed over and is neither written nor dropped yet (writers delete payloads

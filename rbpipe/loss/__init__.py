@@ -3,11 +3,18 @@
 
 from rbpipe.loss.batch import build_loss_batch, step_counts, train_step
 from rbpipe.loss.config import LossConfig
-from rbpipe.loss.functional import (aggregate, kl_penalty, policy_loss, rollout_importance_weights,
-                                    train_policy_metrics)
+from rbpipe.loss.functional import aggregate, kl_penalty, policy_loss, rollout_importance_weights, train_policy_metrics
 from rbpipe.loss.metrics import MetricsAccumulator
-from rbpipe.loss.module import (LOSS_CLASSES, REF_KEY, ROLLOUT_FULL_KEY, LossInputError, RbpipeCISPOLoss,
-                                RbpipeDAPOLoss, RbpipeGRPOLoss, make_loss)
+from rbpipe.loss.module import (
+    LOSS_CLASSES,
+    REF_KEY,
+    ROLLOUT_FULL_KEY,
+    LossInputError,
+    RbpipeCISPOLoss,
+    RbpipeDAPOLoss,
+    RbpipeGRPOLoss,
+    make_loss,
+)
 
 __all__ = ["policy_loss", "kl_penalty", "aggregate", "rollout_importance_weights", "train_policy_metrics",
            "LossConfig", "MetricsAccumulator", "RbpipeGRPOLoss", "RbpipeDAPOLoss", "RbpipeCISPOLoss",

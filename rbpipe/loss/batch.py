@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
@@ -28,7 +30,7 @@ def _row(row: TensorDictBase) -> TensorDict:
     prompt, response = row.get(PROMPT_TOKENS_KEY).reshape(-1), row.get(RESPONSE_TOKENS_KEY).reshape(-1)
     full = torch.cat([prompt, response])
     n_prompt, length = prompt.numel(), full.numel()
-    fields = {"tokens": TensorDict(full=full, prompt=prompt),
+    fields: dict[str | tuple[str, str], Any] = {"tokens": TensorDict(full=full, prompt=prompt),
               "masks": TensorDict(all_attention_mask=torch.ones(length, dtype=torch.bool)),
               ADVANTAGE_KEY: row.get(ADVANTAGE_KEY).reshape(-1)[:1].float().expand(length, 1).clone()}
     if ROLLOUT_LOG_PROBS_KEY in keys:
@@ -58,7 +60,7 @@ def build_loss_batch(rows: TensorDictBase, *, actor, ref_actor=None, recompute_o
     prompt_lens = [r.get(PROMPT_TOKENS_KEY).numel() for r in built]
 
     def fill(key, lps):
-        for td, lp, p in zip(built, lps, prompt_lens):
+        for td, lp, p in zip(built, lps, prompt_lens, strict=True):
             lp = lp.clone()
             lp[:p] = 0.0
             td.set(key, lp)
@@ -78,7 +80,7 @@ def _response_mask(batch: TensorDictBase) -> torch.Tensor:
     prompts = batch.get(("tokens", "prompt"), as_list=True)
     width = max(f.numel() for f in fulls)
     mask = torch.zeros(len(fulls), width, dtype=torch.bool)
-    for i, (f, p) in enumerate(zip(fulls, prompts)):
+    for i, (f, p) in enumerate(zip(fulls, prompts, strict=True)):
         mask[i, width - f.numel() + p.numel():] = True
     return mask
 
@@ -113,7 +115,7 @@ def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, ba
     acc = MetricsAccumulator()
     totals: dict[str, float] = {}
     bounds = torch.linspace(0, n, min(micro_batches, n) + 1).round().long().tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         out = loss_module(batch[a:b], **counts)
         terms = [k for k in out.keys() if k.startswith("loss_")]
         sum(out.get(k) for k in terms).backward()

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass
 
 from rbpipe.errors import ConfigError
-from rbpipe.loss.functional import (AGG_ALIASES, AGG_MODES, IS_LEVELS, IS_MODES, KL_KINDS, POLICY_KINDS,
-                                    validate_bounds)
+from rbpipe.loss.functional import AGG_ALIASES, AGG_MODES, IS_LEVELS, IS_MODES, KL_KINDS, POLICY_KINDS, validate_bounds
 
 _DEFAULT_EPS = {"grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "cispo": (0.2, 0.28)}
 DEFAULT_DUAL_CLIP = 3.0
@@ -20,8 +19,8 @@ class LossConfig:
     ``eps_low``/``eps_high`` default per objective (grpo 0.2/0.2, dapo and cispo 0.2/0.28); ``dual_clip``
     ``None`` is off, ``True`` means ``c = 3.0``; ``agg_norm`` is the constant of ``seq-mean-token-sum-norm``
     (default: ``max_new_tokens``, the generation budget, which ``RunConfig.loss_config`` always passes; only a
-    library caller that gives neither gets the step's max response length); ``rollout_is`` ``None`` disables the correction (mismatch
-    metrics are still reported); thresholds and veto are ``(lower, upper)`` with ``lower < upper``.
+    library caller that gives neither gets the step's max response length); ``rollout_is`` ``None`` disables the
+    correction (mismatch metrics are still reported); thresholds and veto are ``(lower, upper)`` with ``lower < upper``.
     """
 
     loss: str = "grpo"
@@ -38,6 +37,12 @@ class LossConfig:
     rollout_is_threshold: tuple[float, float] | None = (0.5, 2.0)
     rollout_is_veto: tuple[float, float] | None = None
     entropy_coef: float = 0.0
+
+    @property
+    def clip_eps(self) -> tuple[float, float]:
+        """``(eps_low, eps_high)`` as resolved by construction (the per-objective defaults: never None)."""
+        assert self.eps_low is not None and self.eps_high is not None
+        return self.eps_low, self.eps_high
 
     def __post_init__(self) -> None:
         self.loss_agg_mode = AGG_ALIASES.get(self.loss_agg_mode, self.loss_agg_mode)

@@ -69,7 +69,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, norm: f
     ``token-mean``) and ``num_seqs`` (sequences with at least one valid token, both ``seq-mean-*`` modes:
     they need the global sequence count, a per-micro-batch mean of means would not add up). ``norm`` is the
     constant of ``seq-mean-token-sum-norm`` (default: the token dimension; the learner passes the run's
-    generation budget, ``max_new_tokens``, the same for every step), which needs no count at all. Defaults are this batch's own counts.
+    generation budget, ``max_new_tokens``, the same for every step), which needs no count at all. Defaults are this
+    batch's own counts.
     """
     mode = AGG_ALIASES.get(mode, mode)
     if mode not in AGG_MODES:

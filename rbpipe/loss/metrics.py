@@ -54,7 +54,7 @@ class MetricsAccumulator:
         e[1] += _f(w.square().sum())
         e[2] += w.numel()
 
-    def merge(self, other: "MetricsAccumulator") -> "MetricsAccumulator":
+    def merge(self, other: MetricsAccumulator) -> MetricsAccumulator:
         for k, (s, c) in other._sums.items():
             self.mean(k, s, c)
         for k, (how, v) in other._ext.items():

@@ -15,8 +15,7 @@ from torchrl.objectives.llm import DAPO, CISPOLoss, GRPOLoss
 
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.loss.config import LossConfig
-from rbpipe.loss.functional import (aggregate, kl_penalty, policy_loss, rollout_importance_weights,
-                                    train_policy_metrics)
+from rbpipe.loss.functional import aggregate, kl_penalty, policy_loss, rollout_importance_weights, train_policy_metrics
 from rbpipe.loss.metrics import MetricsAccumulator
 
 ROLLOUT_FULL_KEY = ("log_probs", "rollout_full")
@@ -73,7 +72,8 @@ class RbpipeGRPOLoss(GRPOLoss):
     # -- torchrl hook: anyone driving the parent's pipeline gets our objective (CISPO with stop-gradient) --
     def _compute_policy_objective(self, log_weight: torch.Tensor, advantage: torch.Tensor):
         cfg = self.cfg
-        loss = policy_loss(log_weight, advantage, kind=cfg.loss, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        eps_low, eps_high = cfg.clip_eps
+        loss = policy_loss(log_weight, advantage, kind=cfg.loss, eps_low=eps_low, eps_high=eps_high,
                            dual_clip=cfg.dual_clip)
         with torch.no_grad():
             lo, hi = self._clip_bounds
@@ -137,10 +137,11 @@ class RbpipeGRPOLoss(GRPOLoss):
         if norm is None:
             norm = cfg.agg_norm if cfg.agg_norm is not None else float(mask.sum(-1).max().clamp_min(1))
         agg = dict(norm=norm, num_tokens=num_tokens, num_seqs=num_seqs)
-        per_token = policy_loss(log_ratio, adv, kind=cfg.loss, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        eps_low, eps_high = cfg.clip_eps
+        per_token = policy_loss(log_ratio, adv, kind=cfg.loss, eps_low=eps_low, eps_high=eps_high,
                                 dual_clip=cfg.dual_clip) * weights
         out = {"loss_objective": aggregate(per_token, loss_mask, cfg.loss_agg_mode, **agg)}
-        train_policy_metrics(log_ratio, loss_mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high, accumulator=acc)
+        train_policy_metrics(log_ratio, loss_mask, eps_low=eps_low, eps_high=eps_high, accumulator=acc)
         n_valid = loss_mask.sum()
         with torch.no_grad():  # torchrl's own diagnostics, over the valid tokens
             lw = log_ratio.detach()[loss_mask]

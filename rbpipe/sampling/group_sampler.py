@@ -79,7 +79,7 @@ class FreshGroupSampler(Sampler):
             oldest = oldest.scatter_reduce(0, group_of_row, versions.long(), reduce="amin")
             stale = oldest < self.consumer_version - self.max_staleness
             if self.consume:
-                for seq, length in zip(spans[stale, 0].tolist(), lengths[stale].tolist()):
+                for seq, length in zip(spans[stale, 0].tolist(), lengths[stale].tolist(), strict=True):
                     self._done.add(int(seq))
                     self.stale_groups += 1
                     self.stale_trajectories += int(length)

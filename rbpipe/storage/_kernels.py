@@ -84,7 +84,7 @@ def gather_arrays(plans: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray
                 k += 1
             dst += n
     for t in prange(tasks):
-        _memcpy(task_dst[t], task_src[t], task_len[t])
+        _memcpy(task_dst[t], task_src[t], task_len[t])  # type: ignore[call-arg, unused-ignore]  # numba: @intrinsic adds typingctx (untyped in older numba)
     return buf, starts + shift, sizes
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +39,7 @@ def arrow_schema(schema: Schema) -> pa.Schema:
     fields = []
     for c in schema.columns:
         t = _pa_type(c)
-        if c.ragged:
+        if c.shape is None:  # ragged
             fields.append(pa.field(c.name, pa.large_string() if c.text else pa.large_list(t), nullable=False))
             fields.append(pa.field(c.name + ".__shape", pa.list_(pa.int64(), c.ndim), nullable=False))
         else:
@@ -96,7 +97,7 @@ class _Segment:
 
     def __init__(self, path: Path):
         self.path = path
-        self.mm = None
+        self.mm: mmap.mmap | None = None
         self.base = 0
         self.size = 0
 
@@ -131,10 +132,10 @@ class ArrowBackend(Backend):
         self._block_locs: list[tuple] = []
         self._views: dict[int, dict] = {}
         self._wholes: dict[int, tuple[int, dict]] = {}  # block -> (rows, its columns as _slice returns them)
-        self._pschema = None
+        self._pschema: Any = None  # pa.Schema, from on_schema
         self._stream: pa.ipc.RecordBatchStreamWriter | None = None  # this process's open segment
         self._sink: pa.OSFile | None = None
-        self._wname = None
+        self._wname: str | None = None
         self._wpos = 0
         self._wbatches = 0
         self._seg_live: dict[str, int] = {}  # segment -> live groups in it
@@ -151,9 +152,11 @@ class ArrowBackend(Backend):
         batch = to_record_batch(cols, self.schema, self._pschema)
         if self._stream is None:
             self._open_segment()
+        stream, sink = self._stream, self._sink
+        assert stream is not None and sink is not None  # (opened just now if they were not)
         try:  # the IPC writer copies the columns straight into the file: no serialised copy in between
-            self._stream.write_batch(batch)
-            end = self._sink.tell()
+            stream.write_batch(batch)
+            end = sink.tell()
             if self._wbatches == 0:  # the writer puts the schema message before its first batch
                 self._wpos += self._pschema.serialize().size
         except OSError:
@@ -174,10 +177,11 @@ class ArrowBackend(Backend):
     def seal(self, failed: bool = False) -> None:
         """End this process's segment with the end-of-stream marker and rename it to its sealed name. After a
         failed write, what follows the last whole batch is cut off first (it was never committed)."""
-        if self._stream is None:
+        stream, sink, name = self._stream, self._sink, self._wname
+        if stream is None or sink is None or name is None:  # (the three are set together)
             return
-        stream, sink, self._stream, self._sink = self._stream, self._sink, None, None
-        path = self._seg_dir / (self._wname + IN_PROGRESS)
+        self._stream, self._sink = None, None
+        path = self._seg_dir / (name + IN_PROGRESS)
         try:
             if failed:
                 sink.close()
@@ -190,7 +194,7 @@ class ArrowBackend(Backend):
         except OSError:  # e.g. still no space for the marker: a stream reader stops at the cut anyway
             pass
         if self._wbatches:
-            os.rename(path, self._seg_dir / (self._wname + SEALED))
+            os.rename(path, self._seg_dir / (name + SEALED))
         else:
             path.unlink(missing_ok=True)
 

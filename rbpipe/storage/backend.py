@@ -25,8 +25,9 @@ import errno
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,9 +41,10 @@ if TYPE_CHECKING:
 
 def write_error(store: Path, err: OSError) -> StoreError:
     """A failed write of a group in plain words; what was half-written is unreachable (no commit line)."""
-    why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
-           errno.EROFS: "the store is on a read-only file system",
-           errno.EACCES: "permission denied"}.get(err.errno, str(err))
+    plain: dict[int | None, str] = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+                                    errno.EROFS: "the store is on a read-only file system",
+                                    errno.EACCES: "permission denied"}
+    why = plain.get(err.errno, str(err))
     return StoreError(f"could not write a group to the store {store}: {why}. Nothing of this group was "
                       "committed and the groups already stored are intact; free space / make the store "
                       "writable, then retry (or write to another --store)")

@@ -12,8 +12,9 @@ numbered by *position* among the live groups in commit order (see ``ledger.Ledge
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,8 +22,7 @@ from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.errors import SchemaError, StaleReadError, StoreError
-from rbpipe.schema import (ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY,
-                           VERSION_KEY)
+from rbpipe.schema import ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage.backend import Backend, write_error
 from rbpipe.storage.collate import register_default_collate
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict
@@ -30,6 +30,9 @@ from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
 from rbpipe.storage.columns import Schema, from_storage_np, key_tuple, take_ragged
 from rbpipe.storage.ledger import Ledger
+
+if TYPE_CHECKING:
+    from rbpipe.storage.catalog import CatalogBuffer
 
 NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
@@ -86,7 +89,7 @@ class GroupStorage(Storage):
         evicts = self.max_size != UNBOUNDED or max_bytes is not None
         self._backend = self._ledger.events = self.backend_class(self.path, self._ledger, evicts=evicts)
         self._pid = os.getpid()
-        self._catalog = None  # catalog.CatalogBuffer, made at the first commit (pyarrow is imported then)
+        self._catalog: CatalogBuffer | None = None  # made at the first commit (pyarrow is imported then)
         self._refresh()
         self.torn_tail = self.check_tail()
 
@@ -296,11 +299,12 @@ class GroupStorage(Storage):
             # returned as views of its block below, without a copy)
             n = stops[groups] - starts[groups]
             tables = [backend.whole_table(b, a, a + k)
-                      for b, a, k in zip(blocks[groups].tolist(), local[groups].tolist(), n.tolist())]
-            if None not in tables:
-                out = concat_tables(columns, tables, len(rows))
-                if out is not None:
-                    return out
+                      for b, a, k in zip(blocks[groups].tolist(), local[groups].tolist(), n.tolist(), strict=True)]
+            whole = [t for t in tables if t is not None]
+            if len(whole) == len(tables):
+                concatenated = concat_tables(columns, whole, len(rows))
+                if concatenated is not None:
+                    return concatenated
         g = np.searchsorted(stops, rows, side="right")
         blk = blocks[g]
         loc = rows - starts[g] + local[g]
@@ -311,7 +315,7 @@ class GroupStorage(Storage):
             runs = np.flatnonzero((np.diff(blk) != 0) | (np.diff(loc) != 1)) + 1
             if len(runs) < 64:
                 first, last = np.concatenate(([0], runs)), np.concatenate((runs, [len(rows)])) - 1
-                spans = zip(blk[first].tolist(), loc[first].tolist(), (loc[last] + 1).tolist())
+                spans = zip(blk[first].tolist(), loc[first].tolist(), (loc[last] + 1).tolist(), strict=True)
                 parts = [backend.slice(b, a, z) for b, a, z in spans]
                 inv = None
             elif (blk == blk[0]).all():  # scattered rows of one block (a compacted store): one gather
@@ -321,7 +325,7 @@ class GroupStorage(Storage):
                 sorted_blk = blk[order]
                 cuts = np.flatnonzero(np.diff(sorted_blk)) + 1
                 parts = [backend.gather(int(sorted_blk[s]), loc[order[s:e]])
-                         for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(order)])]
+                         for s, e in zip(np.r_[0, cuts], np.r_[cuts, len(order)], strict=True)]
                 inv = np.argsort(order)
         out: dict[tuple, Any] = {}
         for c in columns:

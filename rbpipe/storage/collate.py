@@ -28,7 +28,7 @@ def register_default_collate(storage_type: type) -> None:
     """Make :func:`collate_identity` torchrl's default ``collate_fn`` for instances of ``storage_type``."""
     for name in _LOOKUP_MODULES:
         try:
-            module = importlib.import_module(name)
+            module: Any = importlib.import_module(name)  # (a torchrl module: its attributes are untyped)
         except ImportError:
             continue
         lookup = getattr(module, "_get_default_collate", None)

@@ -2,14 +2,15 @@
 
 Every tensor leaf becomes one column. A *fixed* column has the same trailing shape on every row; a
 *ragged* column keeps each row's own trailing shape (same ndim and dtype). A ``str`` leaf (``NonTensorData``,
-e.g. torchrl's prompt) becomes a *string column*: a ragged 1-D column of each row's UTF-8 bytes, dtype ``"str"``. Both backends use this module,
-so the schema rules (and their :class:`SchemaError` messages) are the same everywhere.
+e.g. torchrl's prompt) becomes a *string column*: a ragged 1-D column of each row's UTF-8 bytes, dtype ``"str"``.
+Both backends use this module, so the schema rules (and their :class:`SchemaError` messages) are the same everywhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,6 @@ from tensordict.utils import is_non_tensor
 from rbpipe.errors import NotAGroupError, SchemaError
 from rbpipe.members import _NestedTensor, jagged_tensor  # noqa: F401 - jagged_tensor: re-exported
 from rbpipe.schema import numpy_view
-
 
 NestedKey = Any
 
@@ -38,7 +38,7 @@ _DTYPES: dict[torch.dtype, tuple[str, np.dtype]] = {
     torch.complex64: ("complex64", np.dtype(np.float32)),
     torch.complex128: ("complex128", np.dtype(np.float64)),
 }
-_BY_NAME = {name: (dt, npdt) for dt, (name, npdt) in _DTYPES.items()}
+_BY_NAME: dict[str, tuple[torch.dtype | None, np.dtype]] = {name: (dt, npdt) for dt, (name, npdt) in _DTYPES.items()}
 #: dtype name of a string column: one ``str`` per row, kept as a ragged 1-D column of its UTF-8 bytes (FORMAT.md)
 TEXT = "str"
 _BY_NAME[TEXT] = (None, np.dtype(np.uint8))
@@ -107,7 +107,7 @@ class Column:
                 "shape": None if self.shape is None else list(self.shape), "ndim": self.ndim}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Column":
+    def from_json(cls, d: dict) -> Column:
         return cls(tuple(d["key"]), d["dtype"], None if d["shape"] is None else tuple(d["shape"]), d["ndim"])
 
 
@@ -124,22 +124,22 @@ def row_elements(shapes: np.ndarray) -> np.ndarray:
     return shapes.prod(1) if shapes.shape[1] else np.ones(len(shapes), np.int64)
 
 
-def ragged_sizes(shapes: np.ndarray, col: "Column") -> np.ndarray:
+def ragged_sizes(shapes: np.ndarray, col: Column) -> np.ndarray:
     """Scalars per row of a ragged column (complex values count two)."""
     return row_elements(shapes) * (2 if col.complex else 1)
 
 
-def take_ragged(values: np.ndarray, shapes: np.ndarray, col: "Column", order: np.ndarray
+def take_ragged(values: np.ndarray, shapes: np.ndarray, col: Column, order: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``order`` of a ragged column held as (flat values, shapes). (A loop of slices: measured 10x
     faster than building a flat fancy index with ``np.repeat`` for 256 rows of ~500 values.)"""
     sizes = ragged_sizes(shapes, col)
     starts = (np.cumsum(sizes) - sizes)[order].tolist()
-    parts = [values[s:s + k] for s, k in zip(starts, sizes[order].tolist())]
+    parts = [values[s:s + k] for s, k in zip(starts, sizes[order].tolist(), strict=True)]
     return (np.concatenate(parts) if parts else values[:0]), shapes[order]
 
 
-def take_columns(columns: Sequence["Column"], table: dict, rows: np.ndarray) -> dict:
+def take_columns(columns: Sequence[Column], table: dict, rows: np.ndarray) -> dict:
     """Rows of a decoded block (fixed columns as arrays, ragged ones as ``(values, offsets, shapes)``):
     fixed columns fancy-indexed, ragged ones as (flat values, shapes) in the order asked."""
     out = {}
@@ -152,7 +152,7 @@ def take_columns(columns: Sequence["Column"], table: dict, rows: np.ndarray) -> 
     return out
 
 
-def slice_columns(columns: Sequence["Column"], table: dict, first: int, stop: int) -> dict:
+def slice_columns(columns: Sequence[Column], table: dict, first: int, stop: int) -> dict:
     """Consecutive rows ``first..stop`` of a decoded block: views, one slice per column."""
     out = {}
     for c in columns:
@@ -164,9 +164,9 @@ def slice_columns(columns: Sequence["Column"], table: dict, first: int, stop: in
     return out
 
 
-def empty_columns(columns: Sequence["Column"]) -> dict:
+def empty_columns(columns: Sequence[Column]) -> dict:
     """Zero rows of every column, in the shapes ``take_columns`` returns."""
-    return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.ragged
+    return {c.key: ((np.zeros(0, c.np_dtype), np.zeros((0, c.ndim), np.int64)) if c.shape is None  # ragged
                     else np.zeros((0, *c.shape), c.np_dtype)) for c in columns}
 
 
@@ -280,7 +280,7 @@ def _name_problem(c: Column) -> str | None:
         return f"column name {c.name!r} starts with '__', which Zarr v3 reserves; rename the key"
     if c.ragged and c.ndim == 0:
         return f"key {c.name!r} holds one scalar per row and cannot be ragged; remove it from ragged_keys"
-    if not c.ragged and 0 in c.shape:
+    if c.shape is not None and 0 in c.shape:  # (a fixed column)
         return (f"key {c.name!r} has the zero-size shape {c.shape} in every row: a fixed column must hold "
                 "data; declare it in ragged_keys if its size varies (rows may then be empty), or drop it")
     return None
@@ -323,11 +323,11 @@ class Schema:
         return [c.to_json() for c in self.columns]
 
     @classmethod
-    def from_json(cls, cols: list[dict]) -> "Schema":
+    def from_json(cls, cols: list[dict]) -> Schema:
         return cls([Column.from_json(c) for c in cols])
 
     @classmethod
-    def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> "Schema":
+    def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> Schema:
         """The schema of a store's first group; refuses (SchemaError) what either backend could never store."""
         if check_group(td).ndim != 1 or td.shape[0] < 1:
             raise SchemaError(f"a group must be a TensorDict with one batch dimension of at least one member, got "
@@ -398,9 +398,9 @@ class Schema:
                     try:
                         t = torch.stack([lv[c.key] for lv in leaves])
                     except RuntimeError:
-                        shapes = sorted({tuple(lv[c.key].shape) for lv in leaves})
+                        seen = sorted({tuple(lv[c.key].shape) for lv in leaves})
                         raise SchemaError(f"key {c.name!r} has fixed shape {c.shape} in the store but rows "
-                                          f"of shapes {shapes}; declare it in ragged_keys when creating "
+                                          f"of shapes {seen}; declare it in ragged_keys when creating "
                                           "the store") from None
                 self._check(c, t.dtype, tuple(t.shape[1:]), t.ndim - 1)
                 if c.ragged:
@@ -431,7 +431,7 @@ class Schema:
         else:
             if t.dim() != 2:
                 raise SchemaError(f"key {c.name!r}: only [rows, j] jagged tensors can be written; got {t.dim()}-D")
-            values, offsets = t.values(), t.offsets()
+            values, offsets = t.values(), t.offsets()  # type: ignore[attr-defined]  # (jagged-only: not in torch's stub)
         self._check(c, values.dtype, None, values.dim())
         o = offsets.numpy()
         shapes = np.diff(o).reshape(-1, 1).astype(np.int64, copy=False)

@@ -11,8 +11,9 @@ import errno
 import json
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 

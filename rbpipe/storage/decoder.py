@@ -16,6 +16,7 @@ row, which dominated sampling). Nothing here touches a file or the commit log.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,8 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from rbpipe.errors import SchemaError, StoreError
-from rbpipe.storage.gather import pad_ragged
 from rbpipe.members import jagged_tensor
+from rbpipe.storage.gather import pad_ragged
 from rbpipe.storage.columns import Schema, decode_texts, from_storage_np, row_elements
 
 RAGGED_LAYOUTS = ("rows", "padded", "nested")
@@ -53,7 +54,8 @@ def to_tensordict(schema: Schema, layout: str, data: dict[Any, Any], m: int) -> 
     if layout == "padded":
         for c in cols:
             if c.ragged and not c.text:
-                fixed[c.key], fixed[("lengths", *c.key)] = _pad(data[c.key], c, m)
+                lengths_key = ("lengths", *c.key)
+                fixed[c.key], fixed[lengths_key] = _pad(data[c.key], c, m)
     elif layout == "nested":
         offsets: dict[bytes, torch.Tensor] = {}  # fields with equal row lengths share one ragged dim
         for c in cols:
@@ -63,7 +65,7 @@ def to_tensordict(schema: Schema, layout: str, data: dict[Any, Any], m: int) -> 
         for key, values in texts.items():  # string columns: one str per row
             fixed[key] = NonTensorStack.from_list(values) if m else NonTensorStack(batch_size=[0])
         return _dense_td(_nest(fixed), torch.Size([m]))
-    per_row = {key: t.unbind(0) for key, t in fixed.items()}
+    per_row: dict[Any, Sequence[Any]] = {key: t.unbind(0) for key, t in fixed.items()}
     for key, values in texts.items():
         per_row[key] = [NonTensorData(v, batch_size=_NO_BATCH) for v in values]
     for c in cols:
@@ -94,11 +96,12 @@ def _pad(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int) -> tuple[torch
     for values, shapes in parts:  # a loop of slice copies: faster than one flat fancy-index scatter
         elems = values.reshape(-1, *trail)
         pos = 0
-        for shape, k in zip(shapes.tolist(), row_elements(shapes).tolist()):
+        for shape, k in zip(shapes.tolist(), row_elements(shapes).tolist(), strict=True):
             if col.ndim == 1:
                 out[i, :k] = elems[pos:pos + k]
             else:
-                out[(i, *(slice(0, s) for s in shape))] = elems[pos:pos + k].reshape(*shape, *trail)
+                where: tuple[int | slice, ...] = (i, *(slice(0, s) for s in shape))
+                out[where] = elems[pos:pos + k].reshape(*shape, *trail)
             pos += k
             i += 1
     lengths = torch.from_numpy(all_shapes[:, 0].copy()) if col.ndim else torch.ones(m, dtype=torch.int64)
@@ -112,7 +115,7 @@ def _ragged_rows(parts: list[tuple[np.ndarray, np.ndarray]], col) -> list[torch.
     for values, shapes in parts:
         flat = from_storage_np(values.reshape(-1, *trail), col.dtype)
         pieces = flat.split(row_elements(shapes).tolist())
-        out += pieces if col.ndim == 1 else [t.view(shape) for t, shape in zip(pieces, shapes.tolist())]
+        out += pieces if col.ndim == 1 else [t.view(shape) for t, shape in zip(pieces, shapes.tolist(), strict=True)]
     return out
 
 
@@ -127,7 +130,7 @@ def _row_tensordicts(tree: dict, m: int) -> list[TensorDict]:
         names.append(name)
         columns.append(_row_tensordicts(child, m) if isinstance(child, dict) else child)
     new = TensorDict._new_unsafe
-    return [new(dict(zip(names, row)), _NO_BATCH, nested=False) for row in zip(*columns)]
+    return [new(dict(zip(names, row, strict=True)), _NO_BATCH, nested=False) for row in zip(*columns, strict=True)]
 
 
 def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int,
@@ -141,8 +144,8 @@ def _jagged(parts: list[tuple[np.ndarray, np.ndarray]], col, m: int,
                           f"{col.ndim}-D {col.dtype}: open the store with ragged_layout='padded' or 'rows'")
     if m == 0:
         return torch.zeros(0, 0, dtype=getattr(torch, col.dtype))
-    values, shapes = concat_parts(parts)
-    values = from_storage_np(values.reshape(-1), col.dtype)
+    flat, shapes = concat_parts(parts)
+    values = from_storage_np(flat.reshape(-1), col.dtype)
     lengths = np.ascontiguousarray(shapes[:, 0])
     offsets = offsets_by_lengths.get(lengths.tobytes())
     if offsets is None:

@@ -16,6 +16,7 @@ def export_zarr(store_path: str | os.PathLike, out_path: str | os.PathLike) -> i
     if not len(spans):
         ZarrStorage(out_path)
         return 0
+    assert src.schema is not None  # a store with groups has its schema
     dst = ZarrStorage(out_path, ragged_keys=[c.key for c in src.schema.columns if c.ragged],
                       group_key=src.group_key, catalog_columns=src.catalog_columns)
     for _, a, b in spans.tolist():

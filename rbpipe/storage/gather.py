@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -55,17 +56,16 @@ def _kernels():
 def _load() -> None:
     with _lock:
         if _state["pid"] is None:
-            kernels = None
+            kernels: ModuleType | None = None
             try:
                 import numba
 
-                import rbpipe.storage._kernels as kernels
+                import rbpipe.storage._kernels as loaded
                 one = np.zeros((1, 2), np.int64)
-                kernels.gather_arrays(one, CHUNK_BYTES)  # compile, or load the on-disk cache
-                kernels.whole_group_positions(one[0], one[0], one[0])
-                kernels.pad_rows(one[0].view(np.uint8), one[0, :1], one.view(np.uint8))
-                if numba.threading_layer() == "workqueue":
-                    kernels = None
+                loaded.gather_arrays(one, CHUNK_BYTES)  # compile, or load the on-disk cache
+                loaded.whole_group_positions(one[0], one[0], one[0])
+                loaded.pad_rows(one[0].view(np.uint8), one[0, :1], one.view(np.uint8))
+                kernels = None if numba.threading_layer() == "workqueue" else loaded
                 _state["numba"] = numba
             except ImportError:  # numba not installed: numpy, as documented
                 kernels = None
@@ -100,7 +100,7 @@ def whole_groups(rows: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.
 def _ranges(columns: Sequence, table: dict) -> np.ndarray | None:
     """Addresses then byte counts of every array of one decoded block, in column order (a ragged column
     gives its flat values, then its shapes); None when one of them is not contiguous."""
-    arrays = []
+    arrays: list[np.ndarray] = []
     for c in columns:
         if c.ragged:
             values, _, shapes = table[c.key]
@@ -134,7 +134,7 @@ def concat_tables(columns: Sequence, tables: Sequence[dict], rows: int) -> dict 
         plans.append(plan)
     _use_torch_threads()
     buf, starts, sizes = kernels.gather_arrays(np.stack(plans), CHUNK_BYTES)
-    views = iter([buf[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist())])
+    views = iter([buf[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist(), strict=True)])
     out: dict = {}
     for c in columns:
         if c.ragged:

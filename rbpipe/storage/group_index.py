@@ -7,7 +7,8 @@ and only a ``move`` record (compaction, rare) rebuilds the block columns.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
@@ -26,14 +27,14 @@ class GroupIndex:
         self._k = 0  # groups ever appended
         self._lo = 0  # first live group
         self.rows = 0  # live rows
-        self._cache = None
-        self._one = None
+        self._cache: tuple[np.ndarray, ...] | None = None
+        self._one: tuple[int, int] | Literal[False] | None = None
 
     def append(self, seq: int, n: int, block: int, local: int) -> None:
         if self._k == len(self._cols["seq"]):
             self._cols = {f: np.concatenate([a, np.zeros_like(a)]) for f, a in self._cols.items()}
         end = (self._cols["end"][self._k - 1] if self._k else 0) + n
-        for f, v in zip(self._FIELDS, (seq, n, end, block, local)):
+        for f, v in zip(self._FIELDS, (seq, n, end, block, local), strict=True):
             self._cols[f][self._k] = v
         self._k += 1
         self.rows += n

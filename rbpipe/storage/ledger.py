@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from rbpipe.errors import StoreError
 from rbpipe.storage.commitlog import CommitLog
@@ -157,8 +158,9 @@ class Ledger:
                         ev.on_live(loc, 1)
                         ev.on_live(groups[int(seq)]["loc"], -1)
                         groups[int(seq)] = dict(groups[int(seq)], loc=loc)
-                self.index.relocate(lambda seq: (ev.block_id(groups[seq]["loc"], groups[seq]["n"]),
-                                                 groups[seq]["loc"].get("row", 0)))
+                # self.groups is the dict `groups` names (a closure over a name rebound in the loop would be B023)
+                self.index.relocate(lambda seq: (ev.block_id(self.groups[seq]["loc"], self.groups[seq]["n"]),
+                                                 self.groups[seq]["loc"].get("row", 0)))
                 ev.on_move(rec)
 
     def _no_schema_error(self) -> StoreError:

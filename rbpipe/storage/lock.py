@@ -18,9 +18,9 @@ LOCK_FILE = ".lock"
 class WriterLock:
     """Exclusive writer lock of a store directory (``STORE/.lock``).
 
-    ``acquire()`` creates the lock file atomically (``fsutil.atomic_write`` without replacing) with this process's pid and host. If it
-    exists and its holder is alive, :class:`StoreLockedError` names the holder; if the holder is a dead
-    pid on this host, the stale lock is taken over. Readers never need it.
+    ``acquire()`` creates the lock file atomically (``fsutil.atomic_write`` without replacing) with this process's
+    pid and host. If it exists and its holder is alive, :class:`StoreLockedError` names the holder; if the holder
+    is a dead pid on this host, the stale lock is taken over. Readers never need it.
     """
 
     def __init__(self, store_path: str | os.PathLike):
@@ -35,7 +35,7 @@ class WriterLock:
         except ValueError:
             return {"pid": -1, "host": "?", "corrupt": True}
 
-    def acquire(self) -> "WriterLock":
+    def acquire(self) -> WriterLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         for _ in range(3):
@@ -87,7 +87,7 @@ class WriterLock:
                 self.path.unlink(missing_ok=True)
             self.held = False
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self) -> WriterLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

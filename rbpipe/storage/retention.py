@@ -95,7 +95,8 @@ class ChunkLedger:
             seq, k = heapq.heappop(self._heap)
             if k in self.newest:
                 self._waiting.append(k) if self.newest[k] == seq else heapq.heappush(self._heap, (self.newest[k], k))
-        out, keep = [], []
+        out: list[int] = []
+        keep: list[int] = []
         for k in self._waiting:
             if k not in self.newest:
                 continue

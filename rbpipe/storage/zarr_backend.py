@@ -14,6 +14,7 @@ import json
 import os
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +22,8 @@ from rbpipe.errors import StoreError
 from rbpipe.fsutil import atomic_write, file_lock
 from rbpipe.storage.backend import Backend, writer_id
 from rbpipe.storage.format import ZARR_DIR
+from rbpipe.storage.columns import GroupColumns, empty_columns, ragged_sizes, row_elements, slice_columns, take_columns
 from rbpipe.storage.retention import ChunkLedger
-from rbpipe.storage.columns import (GroupColumns, empty_columns, ragged_sizes, row_elements, slice_columns,
-                                   take_columns)
 
 MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chunk count)
 VALUE_CHUNK = 2 ** 18  # values per chunk of a ragged field's values array
@@ -73,7 +73,7 @@ class _RawChunks:
         self.suffix = "/0" * len(tail)  # the chunk index along every unchunked axis
         self.fds: OrderedDict[tuple[int, bool], int] = OrderedDict()
 
-    def _fd(self, k: int, write: bool) -> int | None:
+    def _fd(self, k: int, write: bool) -> int:
         fd = self.fds.get((k, write))
         if fd is not None:
             self.fds.move_to_end((k, write))
@@ -105,7 +105,7 @@ class _RawChunks:
             pos += take
 
     def write(self, start: int, data: np.ndarray) -> None:
-        buf = memoryview(np.ascontiguousarray(data, self.dtype)).cast("B")
+        buf = np.ascontiguousarray(data, self.dtype).data.cast("B")  # (.data: the array's memoryview)
         rb = self.row_bytes
         for k, offset, first, rows in self._pieces(start, len(data)):
             piece = buf[first * rb:(first + rows) * rb]
@@ -116,7 +116,7 @@ class _RawChunks:
         """Rows ``start..start+n`` (committed rows: they must be there whole). A chunk file that ends before
         them was cut after the commit: a StoreError naming it, as zarr-python raises, never zeros."""
         out = np.zeros((n, *self.tail), self.dtype)
-        flat = memoryview(out.reshape(-1)).cast("B")
+        flat = out.reshape(-1).data.cast("B")
         rb = self.row_bytes
         for k, offset, first, rows in self._pieces(start, n):
             fd = self._fd(k, False)
@@ -177,14 +177,15 @@ class ZarrBackend(Backend):
     def __init__(self, path: Path, ledger, *, evicts: bool) -> None:
         super().__init__(path, ledger, evicts=evicts)
         self._zpath = self.path / ZARR_DIR
-        self._arrays = None
+        self._arrays: dict[str, Any] | None = None  # zarr arrays opened so far, by name
         self._group_rows: dict[int, int] = {}  # first row -> rows of each committed group
         self._cache: OrderedDict[int, dict] = OrderedDict()
         self._cache_bytes: dict[int, int] = {}
         self._cached_total = 0
         self._raw: dict[str, _RawChunks | None] = {}  # array -> in-place chunk access, None if not raw bytes
         self._chunk_rows: int | None = None
-        self._reserved, self._reserved_pid = None, os.getpid()
+        self._reserved: dict | None = None
+        self._reserved_pid = os.getpid()
         self._wname: str | None = None  # this instance's writer name (reservations are per instance)
         self._chunk_ledgers: dict[str, ChunkLedger] = {}  # "" (row arrays) or a ragged column -> its chunks' groups
         self._pending: list[dict] = []  # groups seen before the arrays' chunk sizes could be read
@@ -201,6 +202,7 @@ class ZarrBackend(Backend):
         a = self._arrays.get(name) if self._arrays is not None else None
         if a is None:
             a = self._zarr()[name]
+            assert self._arrays is not None  # (_zarr() opened the group)
             self._arrays[name] = a
         return a
 
@@ -245,6 +247,7 @@ class ZarrBackend(Backend):
             self._reserved, self._reserved_pid = None, os.getpid()
         if self._chunk_rows is None:
             self._create_arrays_locked(cols.n)
+        assert self._chunk_rows is not None  # (read by _create_arrays_locked)
         n = cols.n
         sizes = {c.name: len(cols.ragged[c.key][0]) for c in self.schema.columns if c.ragged}
         for _ in range(2):
@@ -272,6 +275,7 @@ class ZarrBackend(Backend):
 
     def _reserve(self, n: int, sizes: dict[str, int]) -> dict:
         """Take the next whole chunks of rows and values (flock, the sidecar replaced with atomic_write)."""
+        assert self._chunk_rows is not None  # (the caller created the arrays)
         with self._alloc_lock():
             cap = self._chunk_rows * MAX_CHUNKS
             path = self.path / ALLOC_FILE
@@ -281,7 +285,7 @@ class ZarrBackend(Backend):
                 raise StoreError(f"the Zarr store {str(self.path)!r} is full ({cap} rows of space); export to "
                                  "a new store or use the Arrow backend")
             state["rows"] = min(cap, row + _round_up(RESERVE_GROUPS * n, self._chunk_rows))
-            block = {"rows": [row, state["rows"]], "values": {}}
+            block: dict[str, Any] = {"rows": [row, state["rows"]], "values": {}}
             for name, size in sizes.items():
                 chunk = self._value_chunk(name)
                 vcap = int(self._arr(name + ".values").shape[0])
@@ -316,6 +320,7 @@ class ZarrBackend(Backend):
             ks = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
             return (max(ks) + 1) * per_chunk if ks else 0
 
+        assert self._chunk_rows is not None  # (only _reserve gets here)
         rows, values = 0, {}
         for c in self.schema.columns:
             for name in ((c.name + ".start", c.name + ".shape") if c.ragged else (c.name,)):
@@ -504,7 +509,8 @@ class ZarrBackend(Backend):
         return group
 
     def _read_group(self, row: int, n: int) -> dict:
-        group, nbytes = {}, 0
+        group: dict[tuple, Any] = {}
+        nbytes = 0
         for c in self.schema.columns:
             if c.ragged:
                 starts = self._get(c.name + ".start", row, n)

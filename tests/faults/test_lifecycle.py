@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from tests.faults.test_supervision import wait_for
@@ -71,7 +70,7 @@ def output(proc: subprocess.Popen, timeout: float) -> str:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"the launcher did not stop within {timeout}s:\n{proc.communicate()[0][-3000:]}")
+        raise AssertionError(f"the launcher did not stop within {timeout}s:\n{proc.communicate()[0][-3000:]}") from None
 
 
 def cleanup(proc: subprocess.Popen) -> None:

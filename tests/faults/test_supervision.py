@@ -58,7 +58,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"run did not end within {timeout}s:\n{out[-3000:]}")
+        raise AssertionError(f"run did not end within {timeout}s:\n{out[-3000:]}") from None
     return out
 
 

@@ -26,7 +26,7 @@ def groups_of(out) -> list[tuple]:
     uids = out.get("uid").tolist()
     advs = out.get("advantage").reshape(len(uids), -1)[:, 0].tolist()
     gids = out.get("group_id").tolist()
-    for u, a, g in zip(uids, advs, gids):
+    for u, a, g in zip(uids, advs, gids, strict=True):
         rows.setdefault((g, u), []).append(a)
     by_group: dict = {}
     for (g, u), a in rows.items():

@@ -180,7 +180,7 @@ def test_staged_payload_keeps_strings_and_ragged_steps():
     back = decode_td(encode_td(t))
     assert [r["query"] for r in back.unbind(0)] == ["prompt ✓"] * 3
     assert [r["text"] for r in back.unbind(0)] == [r["text"] for r in t.unbind(0)]
-    for a, b in zip(back.unbind(0), t.unbind(0)):
+    for a, b in zip(back.unbind(0), t.unbind(0), strict=True):
         assert torch.equal(a["next", "reward"], b["next", "reward"])
         assert torch.equal(a["tokens", "response"], b["tokens", "response"])
     dense = TensorDict({"a": torch.arange(3)}, batch_size=[3])

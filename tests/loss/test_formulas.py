@@ -27,8 +27,8 @@ def test_ppo_clip_objectives_match_the_spec(kind, lo, hi):
     out = policy_loss(LP - LP_OLD, ADV, kind=kind, eps_low=lo, eps_high=hi)
     for i in range(2):
         for t in range(4):
-            assert out[i, t].item() == pytest.approx(spec_ppo(LP[i, t].item(), LP_OLD[i, t].item(), ADV[i, t].item(), lo, hi),
-                                                     rel=1e-6, abs=1e-6)
+            expected = spec_ppo(LP[i, t].item(), LP_OLD[i, t].item(), ADV[i, t].item(), lo, hi)
+            assert out[i, t].item() == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
 def test_dual_clip_bounds_negative_advantages_at_c_times_minus_a():
@@ -144,7 +144,8 @@ def test_metrics_reduced_over_micro_batches_equal_the_single_batch_value():
     acc = MetricsAccumulator()
     for a, b in ((0, 3), (3, 4), (4, 8)):
         part = MetricsAccumulator()
-        rollout_importance_weights(old[a:b], roll[a:b], mask[a:b], level="token", lower=0.5, upper=2.0, accumulator=part)
+        rollout_importance_weights(old[a:b], roll[a:b], mask[a:b], level="token", lower=0.5, upper=2.0,
+                                   accumulator=part)
         acc.merge(part)
     merged = acc.result()
     for key, value in single.items():

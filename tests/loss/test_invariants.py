@@ -10,8 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rbpipe.errors import ConfigError
-from rbpipe.loss import (LossConfig, MetricsAccumulator, aggregate, kl_penalty, policy_loss, rollout_importance_weights,
-                         train_policy_metrics)
+from rbpipe.loss import (
+    LossConfig,
+    MetricsAccumulator,
+    aggregate,
+    kl_penalty,
+    policy_loss,
+    rollout_importance_weights,
+    train_policy_metrics,
+)
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 

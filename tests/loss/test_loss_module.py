@@ -11,8 +11,15 @@ from tensordict import lazy_stack
 from torchrl.objectives.llm import CISPOLoss, GRPOLoss
 
 from rbpipe.errors import ConfigError
-from rbpipe.loss import (LossConfig, LossInputError, RbpipeCISPOLoss, RbpipeGRPOLoss, build_loss_batch, make_loss,
-                         train_step)
+from rbpipe.loss import (
+    LossConfig,
+    LossInputError,
+    RbpipeCISPOLoss,
+    RbpipeGRPOLoss,
+    build_loss_batch,
+    make_loss,
+    train_step,
+)
 from rbpipe.loss.batch import _response_mask
 from rbpipe.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.schema import make_trajectory
@@ -27,7 +34,7 @@ def rows(model, temperature: float = 1.0, prompts: int = 4, per_prompt: int = 4,
     for i in range(prompts):
         prompt = task.prompt(i)
         tokens, lps = sample_responses(model, prompt, per_prompt, temperature=temperature, generator=gen)
-        for j, (t, lp) in enumerate(zip(tokens, lps)):
+        for j, (t, lp) in enumerate(zip(tokens, lps, strict=True)):
             if not equal_lengths:  # a collector stopping at EOS leaves shorter responses
                 keep = 1 + (i + j) % 3
                 t, lp = t[:keep], lp[:keep]
@@ -71,7 +78,7 @@ def test_gradient_accumulation_equals_one_batch(setup, ref_actor, mode, rich):
     one = grads(model)
     m_parts = train_step(loss, opt, batch, micro_batches=3)
     assert any(g.abs().max() > 1e-4 for g in one)  # a real gradient, not zeros compared with zeros
-    for a, b in zip(one, grads(model)):
+    for a, b in zip(one, grads(model), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert m_one.keys() == m_parts.keys()
     for key, value in m_one.items():
@@ -211,7 +218,7 @@ def test_cispo_module_keeps_gradient_of_clipped_tokens(setup):
     model.zero_grad()
     unclipped = base.copy().set("advantage", batch.get("advantage"))
     (1.28 * make_loss(actor, LossConfig())(unclipped)["loss_objective"]).backward()
-    for a, b in zip(g_ours, grads(model)):
+    for a, b in zip(g_ours, grads(model), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
@@ -224,7 +231,7 @@ def test_old_from_current_matches_recomputed_lp_old(setup):
     ga = grads(model)
     lazy = build_loss_batch(r, actor=actor, recompute_old=False)
     b = train_step(make_loss(actor, cfg, old_from_current=True), opt, lazy)
-    for x, y in zip(ga, grads(model)):
+    for x, y in zip(ga, grads(model), strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
     assert a["mismatch/kl"] == pytest.approx(b["mismatch/kl"], abs=1e-6)
     with pytest.raises(ConfigError, match="recompute_old"):
@@ -256,7 +263,7 @@ def test_grpo_matches_torchrl_grpoloss_value_and_gradient(setup):
     model.zero_grad()
     theirs.loss_objective.backward()
     torch.testing.assert_close(out["loss_objective"], theirs.loss_objective.detach(), atol=1e-6, rtol=1e-5)
-    for a, b in zip(g_ours, grads(model)):
+    for a, b in zip(g_ours, grads(model), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 

@@ -26,8 +26,8 @@ def ray_cluster():
         nodes = {"head": cluster.head_node}
         for name in ("node_b", "node_c"):
             nodes[name] = cluster.add_node(num_cpus=1, resources={name: 1}, node_ip_address="127.0.0.1")
-        ray.init(address=cluster.address, _node_ip_address="127.0.0.1", namespace=f"rbpipe-tests-{uuid.uuid4().hex[:6]}",
-                 logging_level="WARNING")
+        ray.init(address=cluster.address, _node_ip_address="127.0.0.1",
+                 namespace=f"rbpipe-tests-{uuid.uuid4().hex[:6]}", logging_level="WARNING")
         yield cluster, nodes
     finally:
         ray.shutdown()

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from ray_helpers import check_store, ray_env, ray_run_cmd
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rbpipe.storage.commitlog import decode, encode
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 63 - 1) | st.floats(allow_nan=True, allow_infinity=True) | st.text(),
+    st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 63 - 1) | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(),
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=6),
     max_leaves=40,
 )

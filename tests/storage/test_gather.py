@@ -14,12 +14,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
 
+import rbpipe.storage.base as storage_base
 from rbpipe.errors import ConfigError
 from rbpipe.storage import ArrowStorage, ZarrStorage, gather
-import rbpipe.storage.base as storage_base
 
 BACKENDS = [ArrowStorage, ZarrStorage]
 FIXED = [torch.bool, torch.int8, torch.int64, torch.bfloat16, torch.float32, torch.complex64]
@@ -242,7 +243,7 @@ def test_whole_groups_read_while_another_process_appends_and_evicts(tmp_path, mo
             gids = td["group_id"].tolist()
             members = td["member"].tolist()
             tokens, log_probs = td["tokens", "response"].unbind(), td["log_probs", "rollout"].unbind()
-            for k, (gid, member) in enumerate(zip(gids, members)):
+            for k, (gid, member) in enumerate(zip(gids, members, strict=True)):
                 want = _member(gid, member)
                 assert torch.equal(tokens[k], want["tokens", "response"])
                 assert torch.equal(log_probs[k], want["log_probs", "rollout"])

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rbpipe.storage.group_index import GroupIndex
 
@@ -29,7 +30,7 @@ def test_index_matches_naive(ops):
         assert stops_i.tolist() == stops.tolist() and starts.tolist() == (stops - n).tolist()
         assert blocks.tolist() == [g[2] for g in live] and local.tolist() == [g[3] for g in live]
         assert index.rows == int(n.sum()) and len(index) == len(live)
-        for g, start in zip(live, (stops - n).tolist()):
+        for g, start in zip(live, (stops - n).tolist(), strict=True):
             assert index.start_of(g[0]) == start
         assert index.start_of(seq + 1) is None
 

@@ -15,8 +15,7 @@ from tensordict import TensorDict
 
 from rbpipe.errors import StaleReadError
 from rbpipe.sampling import FreshGroupSampler
-from rbpipe.storage import ArrowStorage, ZarrStorage
-from rbpipe.storage import retention
+from rbpipe.storage import ArrowStorage, ZarrStorage, retention
 from rbpipe.storage.retention import data_bytes, disk_bound
 
 
@@ -289,7 +288,7 @@ def test_any_interleaving_reads_snapshot_rows_or_raises_and_bounds_disk(tmp_path
                 readers[i]._log.close()
                 readers[i] = cls(path)
                 spans = readers[i].group_spans().tolist()
-                views[i] = [(r["gid"], a, b) for r, (_, a, b) in zip(readers[i]._groups.values(), spans)]
+                views[i] = [(r["gid"], a, b) for r, (_, a, b) in zip(readers[i]._groups.values(), spans, strict=True)]
             elif op in ("read", "column") and views[i]:
                 picked = views[i][n % len(views[i]):][:2]
                 index = torch.cat([torch.arange(a, b) for _, a, b in picked])

@@ -40,7 +40,7 @@ def _check_rows(td) -> list[int]:
     """The group ids of ``td`` (whole groups of 4), after checking every row against what was written."""
     gids, members = td["group_id"].tolist(), td["member"].tolist()
     rows = td["tokens"].unbind(0)  # a jagged nested tensor (the default layout)
-    for k, (gid, member) in enumerate(zip(gids, members)):
+    for k, (gid, member) in enumerate(zip(gids, members, strict=True)):
         assert member == k % 4 and gid == gids[k - k % 4], f"torn group at row {k}: {gids}"
         assert torch.equal(rows[k], _member(gid, member)["tokens"]), f"row {k} of group {gid} has other data"
     return gids[::4]

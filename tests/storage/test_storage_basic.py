@@ -7,14 +7,14 @@ import pickle
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers_storage import llm_group
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
 
-from helpers_storage import llm_group
 from rbpipe.errors import SchemaError, StoreError
 from rbpipe.schema import RAGGED_KEYS
-from rbpipe.storage import (ArrowStorage, ZarrStorage, export_zarr, inspect_store, open_storage,
-                            read_catalog)
+from rbpipe.storage import ArrowStorage, ZarrStorage, export_zarr, inspect_store, open_storage, read_catalog
 from rbpipe.storage.format import META_FILE
 
 BACKENDS = [ArrowStorage, ZarrStorage]

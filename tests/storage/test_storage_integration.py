@@ -9,12 +9,11 @@ import socket
 import pyarrow as pa
 import pytest
 import torch
+from helpers_storage import llm_group
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer
-from torchrl.data.replay_buffers.samplers import (PromptGroupSampler, RandomSampler,
-                                                  SamplerWithoutReplacement)
+from torchrl.data.replay_buffers.samplers import PromptGroupSampler, RandomSampler, SamplerWithoutReplacement
 
-from helpers_storage import llm_group
 from rbpipe.errors import StoreLockedError
 from rbpipe.schema import RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, GroupWriter, WriterLock, ZarrStorage, collate_identity
@@ -80,7 +79,8 @@ def test_store_readable_with_pyarrow_and_zarr_alone(tmp_path):
                 r0 = loc["row"]
                 starts = zg["tokens.response.start"][r0:r0 + rec["n"]]
                 shapes = zg["tokens.response.shape"][r0:r0 + rec["n"]].tolist()
-                resp = [zg["tokens.response.values"][s:s + sh[0]].tolist() for s, sh in zip(starts, shapes)]
+                resp = [zg["tokens.response.values"][s:s + sh[0]].tolist()
+                        for s, sh in zip(starts, shapes, strict=True)]
                 rewards = zg["next.reward"][r0:r0 + rec["n"]].tolist()
             for i in range(4):
                 assert resp[i] == groups[g][i]["tokens", "response"].tolist()

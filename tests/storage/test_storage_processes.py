@@ -8,8 +8,8 @@ import time
 
 import multiprocess
 import pytest
-
 from helpers_storage import llm_group
+
 from rbpipe.schema import RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, ZarrStorage, inspect_store, open_storage
 
@@ -24,10 +24,11 @@ def _writer(storage, wid, n_groups):
 
 
 def _forever(path, cls_name, ready):
-    import rbpipe.storage as st
-    from rbpipe.schema import RAGGED_KEYS as RK
     import torch
     from tensordict import TensorDict, lazy_stack
+
+    import rbpipe.storage as st
+    from rbpipe.schema import RAGGED_KEYS as RK
     s = getattr(st, cls_name)(path, ragged_keys=RK)
     k = 0
     while True:

@@ -9,7 +9,8 @@ import os
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer
 
@@ -338,14 +339,14 @@ def test_complex_and_ragged_columns_read_as_format_md_says(tmp_path, cls):
         flat = np.asarray(batch.column("r").values)
         shapes = batch.column("r.__shape").to_pylist()
         z = np.asarray(batch.column("z").values).reshape(3, 2, 2)
-        got = [flat[a:b].reshape(*s, 2) for a, b, s in zip(offsets, offsets[1:], shapes)]
+        got = [flat[a:b].reshape(*s, 2) for a, b, s in zip(offsets, offsets[1:], shapes, strict=False)]
         assert offsets == [0, 6, 30, 30]
     else:
         g = zarr.open_group(str(tmp_path / "s" / "data.zarr"), mode="r")
         row = loc["row"]
         starts, shapes = g["r.start"][row:row + 3], g["r.shape"][row:row + 3].tolist()
         assert loc["vals"]["r"] == starts[0] and (starts - starts[0]).tolist() == [0, 3, 15]
-        got = [g["r.values"][s:s + int(np.prod(sh))].reshape(*sh, 2) for s, sh in zip(starts, shapes)]
+        got = [g["r.values"][s:s + int(np.prod(sh))].reshape(*sh, 2) for s, sh in zip(starts, shapes, strict=True)]
         z = g["z"][row:row + 3]
     for i, td in enumerate(rows):
         assert np.array_equal(torch.view_as_complex(torch.from_numpy(np.ascontiguousarray(got[i]))), td["r"])

@@ -7,6 +7,7 @@ import os
 import time
 import traceback
 import uuid
+from typing import Any
 
 from rbpipe.errors import ConfigError
 from rbpipe.rayengine.common import _ray
@@ -30,7 +31,7 @@ class _WorkerHost:
     def run(self, fn, args: tuple, restart_kwargs: dict | None = None) -> None:
         try:
             restarted = bool(restart_kwargs) and _ray().get_runtime_context().was_current_actor_reconstructed
-            fn(*args, **(restart_kwargs if restarted else {}))
+            fn(*args, **(restart_kwargs if restart_kwargs and restarted else {}))
         except Exception as err:  # noqa: BLE001 - reported by the supervisor as a failed worker
             print(f"[ray worker] failed: {type(err).__name__}: {err}", flush=True)
             traceback.print_exc()
@@ -43,7 +44,10 @@ class RayProcess:
     def __init__(self, fn, args: tuple, name: str, options: dict, restart_kwargs: dict | None = None) -> None:
         self.fn, self.args, self.name, self.options = fn, tuple(args), name, dict(options)
         self.restart_kwargs = dict(restart_kwargs or {})
-        self.actor = self.ref = self._info = None
+        # Ray handles: an actor, the ref of its run loop, the ref of its placement info
+        self.actor: Any = None
+        self.ref: Any = None
+        self._info: Any = None
         self.pid: int | None = None
         self.node_id: str | None = None
         self.restarts = 0  # times Ray restarted the actor (seen by :meth:`poll_restarts`)
@@ -193,7 +197,8 @@ def parse_resources(text: str | None) -> dict:
         value = json.loads(text)
     except ValueError as err:
         raise ConfigError(f"--ray-resources must be JSON such as "
-                          f"'{{\"collectors\": [{{\"node_b\": 0.01}}], \"learner\": {{\"head\": 0.01}}}}': {err}") from err
+                          f"'{{\"collectors\": [{{\"node_b\": 0.01}}], \"learner\": {{\"head\": 0.01}}}}': "
+                          f"{err}") from err
     if not isinstance(value, dict) or set(value) - {"learner", "collectors"} \
             or not isinstance(value.get("collectors", []), list):
         raise ConfigError("--ray-resources: a JSON object with 'learner' (an object) and/or 'collectors' (a list "

@@ -92,7 +92,8 @@ class _CachedStats:
     :data:`STATS_CACHE_S`: it saves its state on every append and must not fan out to every shard each time."""
 
     def __init__(self, registry) -> None:
-        self.registry, self._stats, self._at = registry, {}, -1e9
+        self.registry, self._at = registry, -1e9
+        self._stats: dict[str, Any] = {}
 
     def get_stats(self) -> dict:
         now = time.monotonic()
@@ -132,7 +133,7 @@ class RayManager:
 
     @classmethod
     def start(cls, *, shards: int = 1, ttl_s: float | None = None, namespace: str | None = None,
-              prefix: str | None = None, log_dir: str | None = None, shard_restarts: int = 3) -> "RayManager":
+              prefix: str | None = None, log_dir: str | None = None, shard_restarts: int = 3) -> RayManager:
         """Create the coordinator and ``shards`` shard actors (0 CPUs each; placed by Ray) and wait for them.
         Their names (``<prefix>rbpipe-coordinator``, ``<prefix>rbpipe-shard-<i>``) are unique per service.
         ``log_dir``: where the shards log their state changes (``<log_dir>/<prefix>shards/``); with it, Ray
@@ -161,7 +162,7 @@ class RayManager:
         return cls(ns, prefix, coordinator, hosts, owner=True, restart_wait_s=RESTART_WAIT_S if restarts else 0.0)
 
     @classmethod
-    def connect(cls, spec: dict) -> "RayManager":
+    def connect(cls, spec: dict) -> RayManager:
         """Join the actors a service started (``spec``: :meth:`spec`, from ``endpoint.json``)."""
         host = str(spec["address"]).rsplit(":", 1)[0]
         if host.startswith("127.") or host in ("localhost", "::1"):

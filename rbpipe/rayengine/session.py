@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
 from rbpipe.errors import ConfigError
 from rbpipe.rayengine.common import _ray
@@ -20,7 +21,7 @@ def use_loopback() -> None:
     import sys
 
     os.environ[LOOPBACK_ENV] = "0"
-    constants = sys.modules.get("ray._private.ray_constants")
+    constants: Any = sys.modules.get("ray._private.ray_constants")
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = False
 
@@ -35,7 +36,7 @@ class RaySession:
         self.namespace = namespace or f"rbpipe-{uuid.uuid4().hex[:10]}"
         self._owned = False
 
-    def start(self) -> "RaySession":
+    def start(self) -> RaySession:
         if self.address is None:
             use_loopback()
         try:

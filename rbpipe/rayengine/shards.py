@@ -75,10 +75,10 @@ class ShardHost:
         self.leases = LeaseTable(ttl_s)
         self.registries: dict[str, Any] = {}
         self._seen: dict[str, set] = {}  # handles appended, per registry
-        self._coordinator = None
+        self._coordinator: Any = None  # the coordinator actor's handle, looked up on first use
         self._events: list[tuple] = []
         self._events_lock = threading.Lock()
-        self._flusher = None
+        self._flusher: threading.Thread | None = None
         self._log = None
         self.replayed = 0
         self._grace_until = time.monotonic() + ttl_s  # after a restart: leases the shard forgot are taken in

@@ -21,8 +21,8 @@ from rbpipe.errors import StoreError
 from rbpipe.fsutil import atomic_write, file_lock
 from rbpipe.procs import pid_alive
 from rbpipe.storage.backend import Backend, writer_id
-from rbpipe.storage.format import SEGMENTS_DIR
 from rbpipe.storage.columns import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
+from rbpipe.storage.format import SEGMENTS_DIR
 from rbpipe.storage.retention import BLOCK, owner_alive, roll_bytes
 
 SEALED = ".arrows"

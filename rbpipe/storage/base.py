@@ -25,10 +25,10 @@ from rbpipe.errors import SchemaError, StaleReadError, StoreError
 from rbpipe.schema import ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage.backend import Backend, write_error
 from rbpipe.storage.collate import register_default_collate
+from rbpipe.storage.columns import Schema, from_storage_np, key_tuple, take_ragged
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict
 from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
-from rbpipe.storage.columns import Schema, from_storage_np, key_tuple, take_ragged
 from rbpipe.storage.ledger import Ledger
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 
 from rbpipe.errors import SchemaError, StoreError
 from rbpipe.members import jagged_tensor
-from rbpipe.storage.gather import pad_ragged
 from rbpipe.storage.columns import Schema, decode_texts, from_storage_np, row_elements
+from rbpipe.storage.gather import pad_ragged
 
 RAGGED_LAYOUTS = ("rows", "padded", "nested")
 

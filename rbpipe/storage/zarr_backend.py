@@ -21,8 +21,8 @@ import numpy as np
 from rbpipe.errors import StoreError
 from rbpipe.fsutil import atomic_write, file_lock
 from rbpipe.storage.backend import Backend, writer_id
-from rbpipe.storage.format import ZARR_DIR
 from rbpipe.storage.columns import GroupColumns, empty_columns, ragged_sizes, row_elements, slice_columns, take_columns
+from rbpipe.storage.format import ZARR_DIR
 from rbpipe.storage.retention import ChunkLedger
 
 MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chunk count)

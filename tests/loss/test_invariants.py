@@ -148,7 +148,8 @@ def test_accumulator_over_any_split_equals_one_batch(data, cuts):
     one, merged = whole.result(), parts.result()
     assert one.keys() == merged.keys()
     for k, v in one.items():
-        assert merged[k] == pytest.approx(v, rel=1e-6, abs=1e-9, nan_ok=True), k
+        # float32 sums in another order: rounding of about eps32 (1.2e-7) times the summands (|log w| <= ~10)
+        assert merged[k] == pytest.approx(v, rel=1e-6, abs=1e-6, nan_ok=True), k
 
 
 def test_both_mode_masks_then_clamps_and_sequence_level_masks_whole_rows():

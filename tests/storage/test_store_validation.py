@@ -17,8 +17,8 @@ from torchrl.data import ReplayBuffer
 from rbpipe.errors import SchemaError, StoreError
 from rbpipe.storage import ArrowStorage, ZarrStorage, collate_identity, open_storage, read_catalog
 from rbpipe.storage.catalog import repair_catalog
-from rbpipe.storage.format import COMMIT_LOG
 from rbpipe.storage.columns import Schema
+from rbpipe.storage.format import COMMIT_LOG
 
 BACKENDS = [ArrowStorage, ZarrStorage]
 

@@ -63,7 +63,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
 
 
 def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
-    from workers.launcher import launch
+    from rbpipe.workers.launcher import launch
 
     cfg.steps, cfg.target_reward = max_steps, target
     with tempfile.TemporaryDirectory() as tmp:

@@ -322,7 +322,7 @@ def _run(args, given: set[str]) -> int:
         print(f"rbpipe {args.command}: starting " + ("the service" if serving else "processes"), file=sys.stderr,
               flush=True)
     from rbpipe.endpoint import parse_listen
-    from workers.launcher import launch, serve
+    from rbpipe.workers.launcher import launch, serve
 
     _check_run_options(given, args.resume is not None)
     cfg = run_config(args, given)
@@ -361,11 +361,11 @@ def _worker(args) -> int:
     kw = dict(authkey_file=args.authkey_file, task=args.task, model=args.model,
               log=lambda *a: print(*a, flush=True))
     if args.command == "collector":
-        from workers.collector import run_collector
+        from rbpipe.workers.collector import run_collector
 
         run_collector(args.connect, args.collector_id, **kw)
     else:
-        from workers.learner import run_learner
+        from rbpipe.workers.learner import run_learner
 
         run_learner(args.connect, **kw)
     print(f"rbpipe {args.command}: done (the service asked its workers to stop)", flush=True)

@@ -93,7 +93,7 @@ def test_seq_mean_token_sum_norm_divides_by_the_generation_budget():
 
 def test_resume_refuses_while_a_process_of_the_old_run_lives(tmp_path, capsys):
     """The pids file names live processes (here: this test itself, with its start time): refuse."""
-    from workers.launcher import write_pids
+    from rbpipe.workers.launcher import write_pids
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -107,7 +107,7 @@ def test_resume_refuses_while_a_process_of_the_old_run_lives(tmp_path, capsys):
 
 def test_resume_ignores_a_reused_pid(tmp_path, capsys):
     """A recorded pid that now belongs to another process (other start time) is not the old run."""
-    from workers.launcher import PID_STARTS, runs_alive, write_pids
+    from rbpipe.workers.launcher import PID_STARTS, runs_alive, write_pids
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -179,7 +179,7 @@ def test_export_twice_to_one_output_is_refused(tmp_path, capsys):
 
 def test_resume_drops_metrics_past_the_checkpoint(tmp_path):
     """Steps after the checkpoint are trained again on resume: each must be logged once (a torn line goes)."""
-    from workers.learner import truncate_metrics
+    from rbpipe.workers.learner import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew')

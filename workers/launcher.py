@@ -31,9 +31,9 @@ from rbpipe.report import (PLOT, SUMMARY, MetricsTail, first_last_fraction, last
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
-from workers.collector import collector_entry
-from workers.learner import METRICS, learner_entry
-from workers.serve import Service
+from rbpipe.workers.collector import collector_entry
+from rbpipe.workers.learner import METRICS, learner_entry
+from rbpipe.workers.serve import Service
 
 CONFIG = "config.json"
 RAY_WORKERS = "ray_workers.json"  # --engine ray: the namespace and where each worker actor was placed
@@ -355,8 +355,8 @@ def _ray_context(cfg: RunConfig, ray: dict):
     import functools
 
     from rbpipe.rayengine import RayContext, parse_resources
-    from workers.collector import run_collector
-    from workers.learner import run_learner
+    from rbpipe.workers.collector import run_collector
+    from rbpipe.workers.learner import run_learner
 
     resources = ray.get("resources")
     resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})

@@ -21,7 +21,7 @@ from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
-from workers.learner import CHECKPOINT, METRICS, truncate_metrics
+from rbpipe.workers.learner import CHECKPOINT, METRICS, truncate_metrics
 
 
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
@@ -42,8 +42,8 @@ class Service:
         listen: ``(host, port)`` to listen on TCP (port 0: any free port); None: a private Unix socket.
         expect_collectors: no prompt opens before this many collectors joined (``rbpipe run``: all of them).
 
-    Started by :func:`workers.launcher.serve` (``rbpipe serve``) and :func:`workers.launcher.launch` (``rbpipe
-    run``), which hold the store's writer lock around it.
+    Started by :func:`rbpipe.workers.launcher.serve` (``rbpipe serve``) and
+    :func:`rbpipe.workers.launcher.launch` (``rbpipe run``), which hold the store's writer lock around it.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, store: Path, storage, *,

@@ -24,9 +24,9 @@ from torchrl.objectives.llm import MCAdvantage
 
 from rbpipe.config import RunConfig
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
-from rbpipe.policy import build_learner_actor, build_model, sample_responses
+from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.schema import GROUP_KEY, REWARD_KEY, make_trajectory
-from rbpipe.task import CopyFirstDigitTask
+from rbpipe.demo.task import CopyFirstDigitTask
 
 
 def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:

@@ -15,7 +15,7 @@ from torchrl.data import ReplayBuffer
 
 from rbpipe.config import RunConfig
 from rbpipe.loss import build_loss_batch, make_loss, train_step
-from rbpipe.policy import build_learner_actor
+from rbpipe.demo.policy import build_learner_actor
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity, open_storage
 

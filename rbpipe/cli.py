@@ -103,7 +103,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--task", metavar="SPEC",
                    help="task to train on: path/to/file.py:Name or package.module:Name, an object (or a class or "
                         "factory returning one) with prompt(index) -> 1-D LongTensor of token ids and "
-                        "reward(prompt, response) -> float; None: the built-in rbpipe.task:CopyFirstDigitTask")
+                        "reward(prompt, response) -> float; None: the built-in rbpipe.demo.task:CopyFirstDigitTask")
     g.add_argument("--model", type=Path, metavar="PATH",
                    help="local Hugging Face causal-LM directory (save_pretrained output with its tokenizer) that "
                         "collectors sample and the learner trains; never downloads; None: the built-in tiny Qwen2")

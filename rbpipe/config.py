@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rbpipe.errors import ConfigError
 from rbpipe.demo.policy import PolicyConfig
+from rbpipe.errors import ConfigError
 from rbpipe.task_spec import DEFAULT_TASK, normalize_spec
 
 

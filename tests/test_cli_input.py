@@ -12,9 +12,9 @@ import pytest
 
 from rbpipe.cli import main
 from rbpipe.config import RunConfig
+from rbpipe.demo.policy import build_learner_actor, build_model
 from rbpipe.errors import ConfigError
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, step_counts
-from rbpipe.demo.policy import build_learner_actor, build_model
 
 def one_line_error(capsys, code: int, expected_code: int, *words: str) -> str:
     err = capsys.readouterr().err

@@ -11,12 +11,12 @@ from tensordict import lazy_stack
 from torchrl.objectives.llm import CISPOLoss, GRPOLoss
 
 from rbpipe.errors import ConfigError
+from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
+from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import (LossConfig, LossInputError, RbpipeCISPOLoss, RbpipeGRPOLoss, build_loss_batch, make_loss,
                          train_step)
 from rbpipe.loss.batch import _response_mask
-from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.schema import make_trajectory
-from rbpipe.demo.task import CopyFirstDigitTask
 
 
 def rows(model, temperature: float = 1.0, prompts: int = 4, per_prompt: int = 4, equal_lengths: bool = False):

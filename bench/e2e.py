@@ -23,10 +23,10 @@ from tensordict import lazy_stack
 from torchrl.objectives.llm import MCAdvantage
 
 from rbpipe.config import RunConfig
+from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
+from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
-from rbpipe.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.schema import GROUP_KEY, REWARD_KEY, make_trajectory
-from rbpipe.task import CopyFirstDigitTask
 
 
 def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
@@ -63,7 +63,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
 
 
 def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
-    from workers.launcher import launch
+    from rbpipe.workers.launcher import launch
 
     cfg.steps, cfg.target_reward = max_steps, target
     with tempfile.TemporaryDirectory() as tmp:

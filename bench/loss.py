@@ -16,10 +16,10 @@ import time
 import torch
 from torchrl.objectives.llm import GRPOLoss
 
+from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
+from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss
-from rbpipe.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.schema import make_trajectory
-from rbpipe.task import CopyFirstDigitTask
 
 
 def make_batch(model, actor, ref_actor, rows: int):

@@ -25,7 +25,7 @@ import time
 import torch
 
 import rbpipe
-from rbpipe.policy import sample_responses
+from rbpipe.demo.policy import sample_responses
 from rbpipe.schema import make_trajectory
 
 

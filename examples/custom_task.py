@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rbpipe.policy import BOS_ID, DIGIT0_ID, EQUALS_ID
+from rbpipe.demo.policy import BOS_ID, DIGIT0_ID, EQUALS_ID
 
 
 class NextDigitTask:

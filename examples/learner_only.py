@@ -14,8 +14,8 @@ import torch
 from torchrl.data import ReplayBuffer
 
 from rbpipe.config import RunConfig
+from rbpipe.demo.policy import build_learner_actor
 from rbpipe.loss import build_loss_batch, make_loss, train_step
-from rbpipe.policy import build_learner_actor
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity, open_storage
 

@@ -103,7 +103,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--task", metavar="SPEC",
                    help="task to train on: path/to/file.py:Name or package.module:Name, an object (or a class or "
                         "factory returning one) with prompt(index) -> 1-D LongTensor of token ids and "
-                        "reward(prompt, response) -> float; None: the built-in rbpipe.task:CopyFirstDigitTask")
+                        "reward(prompt, response) -> float; None: the built-in rbpipe.demo.task:CopyFirstDigitTask")
     g.add_argument("--model", type=Path, metavar="PATH",
                    help="local Hugging Face causal-LM directory (save_pretrained output with its tokenizer) that "
                         "collectors sample and the learner trains; never downloads; None: the built-in tiny Qwen2")
@@ -333,7 +333,7 @@ def _run(args, given: set[str]) -> int:
         print(f"rbpipe {args.command}: starting " + ("the service" if serving else "processes"), file=sys.stderr,
               flush=True)
     from rbpipe.endpoint import parse_listen
-    from workers.launcher import launch, serve
+    from rbpipe.workers.launcher import launch, serve
 
     _check_run_options(given, args.resume is not None)
     cfg = run_config(args, given)
@@ -372,11 +372,11 @@ def _worker(args) -> int:
     kw = dict(authkey_file=args.authkey_file, task=args.task, model=args.model,
               log=lambda *a: print(*a, flush=True))
     if args.command == "collector":
-        from workers.collector import run_collector
+        from rbpipe.workers.collector import run_collector
 
         run_collector(args.connect, args.collector_id, **kw)
     else:
-        from workers.learner import run_learner
+        from rbpipe.workers.learner import run_learner
 
         run_learner(args.connect, **kw)
     print(f"rbpipe {args.command}: done (the service asked its workers to stop)", flush=True)

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from rbpipe.demo.policy import PolicyConfig
 from rbpipe.errors import ConfigError
-from rbpipe.policy import PolicyConfig
 from rbpipe.task_spec import DEFAULT_TASK, normalize_spec
 
 
@@ -27,7 +27,7 @@ class RunConfig:
     selector: str = "balanced"
     # task and rollouts
     task: str = DEFAULT_TASK  # task spec (rbpipe.task_spec): every process builds the task from this string
-    model: str | None = None  # local Hugging Face model directory; None = the built-in tiny Qwen2 (``policy``)
+    model: str | None = None  # local Hugging Face model directory; None = the built-in tiny Qwen2 (``demo.policy``)
     max_new_tokens: int = 1  # the task pays for the first token: longer responses only add gradient noise
     temperature: float = 1.0
     seed: int = 0
@@ -105,7 +105,7 @@ class RunConfig:
 
     def make_model_and_tokenizer(self, *, with_tokenizer: bool = True):
         """``(model, tokenizer)``: the learner's actor needs the model's own tokenizer (pad id)."""
-        from rbpipe.policy import build_model, build_tokenizer, load_pretrained
+        from rbpipe.demo.policy import build_model, build_tokenizer, load_pretrained
 
         if self.model is not None:
             return load_pretrained(self.model, with_tokenizer=with_tokenizer)

@@ -297,5 +297,5 @@ def connect(target: str | Path, **kwargs: Any) -> CollectorClient:
 
 
 def connect_learner(target: str | Path, **kwargs: Any) -> LearnerClient:
-    """Attach the learner to a running service (see :func:`workers.learner.run_learner` for the loop)."""
+    """Attach the learner to a running service (see :func:`rbpipe.workers.learner.run_learner` for the loop)."""
     return LearnerClient(target, **kwargs)

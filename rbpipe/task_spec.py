@@ -20,7 +20,11 @@ import torch
 
 from rbpipe.errors import ConfigError
 
-DEFAULT_TASK = "rbpipe.task:CopyFirstDigitTask"
+DEFAULT_TASK = "rbpipe.demo.task:CopyFirstDigitTask"
+#: the one task spec that moved: run directories written before the demo's model and task went to
+#: ``rbpipe/demo/`` store the default task as ``rbpipe.task:...`` in ``config.json``/``endpoint.json``; every
+#: spec goes through :func:`_split`, so such a run resumes (and workers attach to it) under the new name
+_RENAMED = {"rbpipe.task:CopyFirstDigitTask": DEFAULT_TASK}
 _SHAPE = "SPEC is path/to/file.py:Name or package.module:Name"
 
 
@@ -34,7 +38,7 @@ class Task(Protocol):
 
 
 def _split(spec: str) -> tuple[str, str]:
-    where, sep, name = str(spec).rpartition(":")
+    where, sep, name = _RENAMED.get(str(spec), str(spec)).rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise ConfigError(f"--task {spec!r} is not a task spec: {_SHAPE} (e.g. {DEFAULT_TASK})")
     return where, name
@@ -100,7 +104,7 @@ def load_task(spec: str = DEFAULT_TASK, *, seed: int = 0) -> Task:
     one (called with ``seed=`` when it accepts it, else with no argument).
 
     Examples:
-        >>> task = load_task("rbpipe.task:CopyFirstDigitTask", seed=0)
+        >>> task = load_task("rbpipe.demo.task:CopyFirstDigitTask", seed=0)
         >>> task.prompt(0).dtype
         torch.int64
     """
@@ -147,7 +151,7 @@ def check_prompt(task: Task, spec: str, vocab_size: int | None = None) -> torch.
 def check_task_fits(task: Task, spec: str, model: torch.nn.Module, max_new_tokens: int) -> None:
     """Before anything starts: the task's first prompt is valid token ids of ``model``, and prompt plus
     response fit the model's positions (a misfit would otherwise fail inside every worker)."""
-    from rbpipe.policy import max_positions, vocab_size
+    from rbpipe.demo.policy import max_positions, vocab_size
 
     prompt = check_prompt(task, spec, vocab_size(model))
     positions = max_positions(model)

@@ -12,9 +12,9 @@ import pytest
 
 from rbpipe.cli import main
 from rbpipe.config import RunConfig
+from rbpipe.demo.policy import build_learner_actor, build_model
 from rbpipe.errors import ConfigError
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, step_counts
-from rbpipe.policy import build_learner_actor, build_model
 
 
 def one_line_error(capsys, code: int, expected_code: int, *words: str) -> str:
@@ -94,7 +94,7 @@ def test_seq_mean_token_sum_norm_divides_by_the_generation_budget():
 
 def test_resume_refuses_while_a_process_of_the_old_run_lives(tmp_path, capsys):
     """The pids file names live processes (here: this test itself, with its start time): refuse."""
-    from workers.launcher import write_pids
+    from rbpipe.workers.launcher import write_pids
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -108,7 +108,7 @@ def test_resume_refuses_while_a_process_of_the_old_run_lives(tmp_path, capsys):
 
 def test_resume_ignores_a_reused_pid(tmp_path, capsys):
     """A recorded pid that now belongs to another process (other start time) is not the old run."""
-    from workers.launcher import PID_STARTS, runs_alive, write_pids
+    from rbpipe.workers.launcher import PID_STARTS, runs_alive, write_pids
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -180,7 +180,7 @@ def test_export_twice_to_one_output_is_refused(tmp_path, capsys):
 
 def test_resume_drops_metrics_past_the_checkpoint(tmp_path):
     """Steps after the checkpoint are trained again on resume: each must be logged once (a torn line goes)."""
-    from workers.learner import truncate_metrics
+    from rbpipe.workers.learner import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew')

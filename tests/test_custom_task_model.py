@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rbpipe.policy import PolicyConfig, build_model, build_tokenizer
+from rbpipe.demo.policy import PolicyConfig, build_model, build_tokenizer
 from rbpipe.schema import (
     GROUP_KEY,
     PROMPT_TOKENS_KEY,
@@ -220,10 +220,10 @@ def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_start
 
 def test_the_built_in_task_is_a_spec_and_specs_survive_the_saved_config(tmp_path, task_file):
     from rbpipe.config import RunConfig
-    from rbpipe.task import CopyFirstDigitTask
+    from rbpipe.demo.task import CopyFirstDigitTask
     from rbpipe.task_spec import DEFAULT_TASK, load_task
 
-    assert RunConfig().task == DEFAULT_TASK == "rbpipe.task:CopyFirstDigitTask"
+    assert RunConfig().task == DEFAULT_TASK == "rbpipe.demo.task:CopyFirstDigitTask"
     built = load_task(DEFAULT_TASK, seed=5)
     assert all(torch.equal(built.prompt(i), CopyFirstDigitTask(seed=5).prompt(i)) for i in range(5))
     cfg = RunConfig(task=f"{task_file}:LastDigitCount", model=str(tmp_path / "m"), seed=3)
@@ -231,6 +231,16 @@ def test_the_built_in_task_is_a_spec_and_specs_survive_the_saved_config(tmp_path
     back = RunConfig.from_json(json.loads((tmp_path / "config.json").read_text()))
     assert (back.task, back.model) == (cfg.task, cfg.model)
     assert torch.equal(back.make_task().prompt(7), cfg.make_task().prompt(7))
+
+
+def test_a_config_saved_before_the_demo_package_loads_its_task_under_the_new_name():
+    from rbpipe.config import RunConfig
+    from rbpipe.task_spec import DEFAULT_TASK, load_task, normalize_spec
+
+    old = "rbpipe.task:CopyFirstDigitTask"  # the built-in task's spec before rbpipe/demo/
+    assert RunConfig.from_json({**RunConfig().to_json(), "task": old}).task == DEFAULT_TASK
+    assert normalize_spec(old) == DEFAULT_TASK
+    assert torch.equal(load_task(old, seed=2).prompt(3), load_task(DEFAULT_TASK, seed=2).prompt(3))
 
 
 def test_the_example_task_loads_from_its_spec_and_fits_the_built_in_model():

@@ -29,7 +29,7 @@ CLI = [sys.executable, "-m", "rbpipe.cli"]
 TASK_FILE = """
 import torch
 
-from rbpipe.policy import BOS_ID, DIGIT0_ID, EQUALS_ID
+from rbpipe.demo.policy import BOS_ID, DIGIT0_ID, EQUALS_ID
 
 
 class SevensTask:
@@ -44,7 +44,7 @@ class SevensTask:
 
 
 def custom_reward(prompt: torch.Tensor, response: torch.Tensor) -> float:
-    from rbpipe.policy import DIGIT0_ID
+    from rbpipe.demo.policy import DIGIT0_ID
 
     return 0.2 * int((response == DIGIT0_ID + 7).sum())
 
@@ -203,7 +203,7 @@ def test_serve_with_attached_workers_a_kill_a_late_joiner_over_tcp_and_a_wrong_k
         refused = subprocess.Popen(CLI + ["collector", "--connect", f"{host}:{port}", "--authkey-file", str(wrong)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         other = subprocess.Popen(CLI + ["collector", "--connect", str(run_dir), "--task",
-                                        "rbpipe.task:CopyFirstDigitTask"],
+                                        "rbpipe.demo.task:CopyFirstDigitTask"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, refused_err = refused.communicate(timeout=60)
         _, other_err = other.communicate(timeout=60)

@@ -6,7 +6,7 @@ import multiprocess
 import pytest
 import torch
 
-from rbpipe.policy import PolicyConfig, build_model, flat_parameters
+from rbpipe.demo.policy import PolicyConfig, build_model, flat_parameters
 from rbpipe.weights import SharedWeights
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from rbpipe.connect import CollectorClient
+from rbpipe.demo.policy import sample_responses
 from rbpipe.errors import BadTrajectoryError
-from rbpipe.policy import sample_responses
 from rbpipe.procs import run_worker
 from rbpipe.schema import make_trajectory
 

@@ -19,6 +19,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rbpipe.workers.collector import collector_entry
+from rbpipe.workers.learner import METRICS, learner_entry, load_checkpoint
+from rbpipe.workers.serve import Service
+
 from rbpipe.config import RunConfig
 from rbpipe.connect import check_store_path, open_run_store
 from rbpipe.errors import ConfigError, RbpipeError
@@ -40,9 +44,6 @@ from rbpipe.report import (
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.task_spec import check_task_fits
-from workers.collector import collector_entry
-from workers.learner import METRICS, learner_entry, load_checkpoint
-from workers.serve import Service
 
 CONFIG = "config.json"
 RAY_WORKERS = "ray_workers.json"  # --engine ray: the namespace and where each worker actor was placed
@@ -366,9 +367,10 @@ def _ray_context(cfg: RunConfig, ray: dict):
     run (without the process-level wrapping: Ray owns the actor's process)."""
     import functools
 
+    from rbpipe.workers.collector import run_collector
+    from rbpipe.workers.learner import run_learner
+
     from rbpipe.rayengine import RayContext, parse_resources
-    from workers.collector import run_collector
-    from workers.learner import run_learner
 
     resources = ray.get("resources")
     resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})

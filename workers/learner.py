@@ -17,11 +17,11 @@ import torch
 from torchrl.data import ReplayBuffer
 
 from rbpipe.connect import LearnerClient
+from rbpipe.demo.policy import build_learner_actor
 from rbpipe.errors import RbpipeError
 from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.metrics_log import MetricsSink
-from rbpipe.policy import build_learner_actor
 from rbpipe.procs import run_worker
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.sampling import FreshGroupSampler

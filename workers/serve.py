@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rbpipe.workers.learner import METRICS, load_checkpoint, truncate_metrics
+
 from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
 from rbpipe.endpoint import AUTHKEY, ENDPOINT, REGISTRY_NAME, new_authkey, write_endpoint
@@ -21,7 +23,6 @@ from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
-from workers.learner import METRICS, load_checkpoint, truncate_metrics
 
 if TYPE_CHECKING:
     from rbpipe.buffer import GroupReplayBuffer
@@ -47,8 +48,8 @@ class Service:
         listen: ``(host, port)`` to listen on TCP (port 0: any free port); None: a private Unix socket.
         expect_collectors: no prompt opens before this many collectors joined (``rbpipe run``: all of them).
 
-    Started by :func:`workers.launcher.serve` (``rbpipe serve``) and :func:`workers.launcher.launch` (``rbpipe
-    run``), which hold the store's writer lock around it.
+    Started by :func:`rbpipe.workers.launcher.serve` (``rbpipe serve``) and
+    :func:`rbpipe.workers.launcher.launch` (``rbpipe run``), which hold the store's writer lock around it.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, store: Path, storage, *,

@@ -252,14 +252,14 @@ class RayWeights:
         return int(_get(self._coordinator.weights_version.remote(), "coordinator")[1])
 
     def publish(self, model, *, version: int, learner_step: int | None = None) -> None:
-        from rbpipe.policy import flat_parameters
+        from rbpipe.demo.policy import flat_parameters
 
         ref = _ray().put(flat_parameters(model).detach().clone())
         self._refs = [ref]
         _get(self._coordinator.set_weights.remote(int(version), learner_step, [ref]), "coordinator")
 
     def load_into(self, model, *, timeout: float = 30.0) -> int:
-        from rbpipe.policy import load_flat_parameters
+        from rbpipe.demo.policy import load_flat_parameters
 
         ray = _ray()
         version, refs = _get(self._coordinator.get_weights.remote(), "coordinator")

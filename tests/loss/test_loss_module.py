@@ -10,6 +10,8 @@ import torch
 from tensordict import lazy_stack
 from torchrl.objectives.llm import CISPOLoss, GRPOLoss
 
+from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
+from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.errors import ConfigError
 from rbpipe.loss import (
     LossConfig,
@@ -21,9 +23,7 @@ from rbpipe.loss import (
     train_step,
 )
 from rbpipe.loss.batch import _response_mask
-from rbpipe.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.schema import make_trajectory
-from rbpipe.task import CopyFirstDigitTask
 
 
 def rows(model, temperature: float = 1.0, prompts: int = 4, per_prompt: int = 4, equal_lengths: bool = False):

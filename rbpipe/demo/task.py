@@ -2,7 +2,7 @@
 
 A prompt is ``<bos> d1 d2 ... dk =`` with 2-5 random digits (so prompts have ragged lengths);
 the reward is 1.0 when the first response token is ``d1``, else 0.0. A random policy scores ~0.07.
-It is the default ``--task``, spelled ``rbpipe.task:CopyFirstDigitTask`` (see :mod:`rbpipe.task_spec`).
+It is the default ``--task``, spelled ``rbpipe.demo.task:CopyFirstDigitTask`` (see :mod:`rbpipe.task_spec`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rbpipe.policy import BOS_ID, DIGIT0_ID, EQUALS_ID
+from rbpipe.demo.policy import BOS_ID, DIGIT0_ID, EQUALS_ID
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,10 @@ def main(target: str) -> None:
             prompt = task.prompt(unit["prompt"])
             responses, log_probs = sample_responses(policy, prompt, unit["samples"],
                                                     max_new_tokens=cfg.max_new_tokens)
-            for response, lp in zip(responses, log_probs, strict=True):
-                client.extend(make_trajectory(
-                    group_id=unit["prompt"], prompt=prompt, response=response, rollout_log_probs=lp,
-                    reward=float(task.reward(prompt, response)), collector_id=client.collector_id,
-                    policy_version=version))
+            client.extend([make_trajectory(  # the whole unit in one hand-over (one round trip)
+                group_id=unit["prompt"], prompt=prompt, response=response, rollout_log_probs=lp,
+                reward=float(task.reward(prompt, response)), collector_id=client.collector_id,
+                policy_version=version) for response, lp in zip(responses, log_probs, strict=True)])
     print("the service asked its workers to stop")
 
 

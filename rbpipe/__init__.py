@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 
 #: the public API, imported on first use (``rbpipe inspect``/``query`` must not pay for torch)
 _EXPORTS = {
-    "connect": "rbpipe.connect", "connect_learner": "rbpipe.connect", "CollectorClient": "rbpipe.connect",
-    "LearnerClient": "rbpipe.connect", "RunConfig": "rbpipe.config", "SharedMCAdvantage": "rbpipe.grouping",
+    "connect": "rbpipe.clients", "connect_learner": "rbpipe.clients", "CollectorClient": "rbpipe.clients",
+    "LearnerClient": "rbpipe.clients", "RunConfig": "rbpipe.config", "SharedMCAdvantage": "rbpipe.grouping",
     "make_replay_buffer": "rbpipe.buffer", "open_storage": "rbpipe.storage", "group_buffer": "rbpipe.storage",
     "ArrowStorage": "rbpipe.storage", "ZarrStorage": "rbpipe.storage", "FreshGroupSampler": "rbpipe.sampling",
     "RateLimiter": "rbpipe.rate_limit",

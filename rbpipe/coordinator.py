@@ -81,7 +81,7 @@ class Coordinator:
         self._released: set[str] = set()
         self._learner_lease: str | None = None
         self._counts = {"produced": 0, "rejected": 0, "units": 0, "reissued_samples": 0, "lost_leases": 0,
-                        "insert_blocked_ns": 0, "generate_ns": 0, "handover_ns": 0}
+                        "insert_blocked_ns": 0, "generate_ns": 0, "handover_ns": 0, "largest_handover": 0}
         self._totals = {"produced": 0, "rejected": 0, "dropped_groups": 0}  # earlier sessions of this run
         self._blocked_since: dict[str, int] = {}
         self._learner: dict[str, Any] = {name: 0 for name in LEARNER_FIELDS}
@@ -271,6 +271,7 @@ class Coordinator:
     def count(self, produced: int = 0, rejected: int = 0, generate_ns: int = 0, handover_ns: int = 0) -> None:
         """Collectors' counts and where their time went (generating; handing over to the buffer)."""
         with self._lock:
+            self._counts["largest_handover"] = max(self._counts["largest_handover"], int(produced))
             self._counts["produced"] += int(produced)
             self._counts["rejected"] += int(rejected)
             self._counts["generate_ns"] += int(generate_ns)

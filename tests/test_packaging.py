@@ -42,3 +42,15 @@ def test_workers_import_as_rbpipe_workers_only(tmp_path):
     err = subprocess.run([sys.executable, "-c", "import workers.learner"], capture_output=True, text=True,
                          cwd=ROOT).stderr
     assert "import rbpipe.workers.<module>" in err, err
+
+
+def test_rbpipe_connect_stays_the_function_once_every_module_is_imported():
+    """``rbpipe.connect(RUN_DIR)`` is the documented entry point: no submodule may shadow it once imported."""
+    import importlib
+
+    import rbpipe
+
+    for module in ("rbpipe.clients", "rbpipe.workers.collector", "rbpipe.workers.learner", "rbpipe.workers.serve"):
+        importlib.import_module(module)
+    assert callable(rbpipe.connect) and rbpipe.connect.__module__ == "rbpipe.clients"
+    assert callable(rbpipe.connect_learner)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rbpipe.connect import CollectorClient
+from rbpipe.clients import CollectorClient
 from rbpipe.demo.policy import sample_responses
 from rbpipe.errors import BadTrajectoryError
 from rbpipe.procs import run_worker

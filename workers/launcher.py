@@ -23,8 +23,8 @@ from rbpipe.workers.collector import collector_entry
 from rbpipe.workers.learner import METRICS, learner_entry, load_checkpoint
 from rbpipe.workers.serve import Service
 
+from rbpipe.clients import check_store_path, open_run_store
 from rbpipe.config import RunConfig
-from rbpipe.connect import check_store_path, open_run_store
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
 from rbpipe.procs import quiet_killed_worker_trackers, quiet_spawn_context, same_process_alive, start_time
@@ -532,7 +532,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
 
     Per session: trajectories that reached the grouping transform (``handed_over``, including those
     requeued from the staging area at start) equal written + dropped + unselected + still queued. A collector killed
-    while handing one over may lose that one (it never reached shared state): ``lost_in_flight <= kills``.
+    while handing a call over (counted first; one work unit for rbpipe's collectors) may lose that call's
+    trajectories, which never reached shared state: ``lost_in_flight <= kills * largest_handover``.
     """
     start = start or {"produced": 0, "rejected": 0, "rows": 0, "requeued": 0, "torn": 0}
     stats = final.get("grouping", {})
@@ -554,7 +555,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
     session = {"produced": final.get("produced"), "rejected": final.get("rejected", 0),
                "requeued_at_start": start["requeued"],
                "torn_staging_files": start["torn"], "handed_over": handed_over,
-               "written": written - start["rows"], "dropped": dropped, "unselected": unselected, "queued": queued}
+               "written": written - start["rows"], "dropped": dropped, "unselected": unselected, "queued": queued,
+               "largest_handover": int(final.get("largest_handover", 0))}
     # requeued trajectories went through the transform again, so they are part of handed_over
     session["lost_in_flight"] = (None if produced is None
                                  else session["produced"] - session["rejected"] - (handed_over - start["requeued"]))
@@ -581,7 +583,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
         "session": session, "grouping_stats": stats,
         "collectors": {k: final.get(k, 0) for k in ("units", "reissued_samples", "lost_leases")},
         "conservation_ok": bool(stats) and balanced and session["lost_in_flight"] is not None
-        and 0 <= session["lost_in_flight"] <= kills,
+        and 0 <= session["lost_in_flight"] <= kills * max(1, session["largest_handover"]),
     }
     (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
     return summary

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torchrl.data import ReplayBuffer
 
-from rbpipe.connect import LearnerClient
+from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
 from rbpipe.errors import RbpipeError
 from rbpipe.fsutil import atomic_write

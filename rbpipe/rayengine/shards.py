@@ -150,7 +150,8 @@ class ShardHost:
                 reg.on_append, reg._orphan_check_s = None, float("inf")  # the coordinator saw these already
             else:
                 self._replay_call(record)
-        os.truncate(path, end)  # a record cut short by the kill: it never ran
+        if path.exists():
+            os.truncate(path, end)  # a record cut short by the kill: it never ran
         for name in self.registries:
             self._replayed(name)
         return len(records)

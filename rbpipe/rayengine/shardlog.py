@@ -9,7 +9,8 @@ compact JSON, ``\\n``). Records::
     {"op": "call", "name": NAME, "method": one of LOGGED, "args": [VALUE, ...]}
 
 A ``VALUE`` is JSON with explicit tags for what JSON has not: ``{"$bytes": base64}``, ``{"$tuple": [...]}`` (a
-group key that is a tuple comes back a tuple: it hashes the same), ``{"$dict": [[key, value], ...]}`` and
+group key that is a tuple comes back a tuple: it hashes the same), ``{"$dict": [[key, value], ...]}``,
+``{"$int": decimal}`` (beyond 64 bits, which orjson would read back as a float) and
 ``{"$selector": [strategy, max_combinations]}`` (torchrl's built-in ``MCAdvantageSelector``). ``options`` is
 ``null`` when they hold anything else (a user's selector object): they are not written, see
 :mod:`rbpipe.rayengine.shards` for how they come back after a restart; ``fingerprint`` identifies them.
@@ -32,7 +33,7 @@ from rbpipe.storage.commitlog import decode, encode
 
 #: Registry calls that change a shard's state: written to the shard's log first, replayed after a restart.
 LOGGED = ("append", "confirm", "quarantine", "reset_stats", "clear_queues")
-_TAGS = ("$bytes", "$tuple", "$dict", "$selector")
+_TAGS = ("$int", "$bytes", "$tuple", "$dict", "$selector")
 _TORN = re.compile(rb"[0-9a-f]{0,7}|[0-9a-f]{8}(?: (?:\{[^\x00-\x1f]*)?)?")  # the start of one of our lines
 
 
@@ -53,6 +54,8 @@ def _builtin_selector(value) -> list | None:
 
 def encode_value(value) -> Any:
     """``value`` as tagged JSON; TypeError for what has no tag (e.g. a user's selector object)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 63:
+        return {"$int": str(int(value))}  # orjson reads a longer int back as a float
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (bytes, bytearray)):
@@ -80,6 +83,10 @@ def decode_value(data) -> Any:
     if not isinstance(data, dict) or len(data) != 1 or next(iter(data)) not in _TAGS:
         raise ValueError(f"not a tagged value: {str(data)[:80]}")
     (tag, body), = data.items()
+    if tag == "$int":
+        if not isinstance(body, str):
+            raise ValueError("$int takes a decimal string")
+        return int(body)
     if tag == "$bytes":
         if not isinstance(body, str):
             raise ValueError("$bytes takes a base64 string")

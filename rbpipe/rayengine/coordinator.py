@@ -200,12 +200,12 @@ class RayManager:
                 "restart_wait_s": self.restart_wait_s}
 
     def get_registry(self, name: str, options: dict | None = None, shards: int = 16, staging: dict | None = None):
-        _get([s.open.remote(name, options, staging) for s in self.shard_actors])
-        return ShardedRegistry(name, self.shard_actors, self.coordinator_actor, self.restart_wait_s)
+        return ShardedRegistry.open(name, self.shard_actors, self.coordinator_actor, self.restart_wait_s, options,
+                                    staging)
 
     def get_coordinator(self, name: str, settings: dict | None = None) -> CoordinatorProxy:
-        if settings is not None:
-            registry = ShardedRegistry(name, self.shard_actors, self.coordinator_actor, self.restart_wait_s)
+        if settings is not None:  # the coordinator's router: with the registry's options, as every router
+            registry = self.get_registry(name)
             _get(self.coordinator_actor.configure.remote(name, settings, registry), "coordinator")
         elif not _get(self.coordinator_actor.has.remote(name), "coordinator"):
             raise ConfigError(f"the Ray namespace {self.namespace!r} runs no rbpipe service ({name!r})")

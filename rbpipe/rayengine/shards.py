@@ -1,5 +1,16 @@
 """The grouping registry's shards: ``ShardHost`` actors (their log, replayed on a restart) and the
-``ShardedRegistry`` router that answers like one ``GroupRegistry`` proxy."""
+``ShardedRegistry`` router that answers like one ``GroupRegistry`` proxy.
+
+The log (:mod:`rbpipe.rayengine.shardlog`) is JSON, never a pickle: nothing read back from disk is unpickled.
+A registry's options are written there when they are plain values and torchrl's built-in selector (what
+``rbpipe run/serve`` builds: ``--selector first|uniform|balanced``). Options holding anything else (a user's
+``candidate_selector`` object) are not written: every router keeps the options in memory (the opener's own, or
+the ``join_info`` a joiner was answered, both received over Ray's wire), and a restarted shard holds that
+registry's records until a router re-sends them (:class:`RegistryAwaitsOptions` answers its calls meanwhile; the
+router then calls ``open`` again and repeats its call). Why there: the routers have the options anyway, the
+coordinator's router among them, and a shard then never waits on another actor while it restarts (the
+coordinator waits on shards, so a shard asking the coordinator for them could deadlock).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,7 @@ from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.rayengine.common import COORDINATOR_NAME, _get, _Proxy, _ray
+from rbpipe.rayengine.shardlog import LOGGED, call_record, open_record, options_fingerprint, read_log
 
 #: Seconds between a shard's batched notices of appends to the coordinator (a unit is done when its samples
 #: were handed over: the coordinator learns it this much later).
@@ -32,8 +44,11 @@ def shard_of(group, shards: int) -> int:
     return zlib.crc32(str(group).encode()) % shards
 
 
-#: Registry calls that change a shard's state: written to the shard's log first, replayed after a restart.
-LOGGED = ("append", "confirm", "quarantine", "reset_stats", "clear_queues")
+
+
+class RegistryAwaitsOptions(LookupError):
+    """A restarted shard replayed a registry whose options were not in its log: the caller re-sends them
+    (``ShardHost.open``) and calls again."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,8 +72,9 @@ class ShardHost:
     checked against this shard's own lease table.
 
     With ``log_dir`` (the service's: under the store, a path that survives the actor) every call that changes
-    state is appended to ``shard-<index>.log`` before it runs; an actor that Ray restarts (``max_restarts``)
-    replays it, so its queued groups, unconfirmed claims and counters come back as they were. A writer whose
+    state is appended to ``shard-<index>.log`` (JSON lines, :mod:`rbpipe.rayengine.shardlog`) before it runs;
+    an actor that Ray restarts (``max_restarts``) replays it, so its queued groups, unconfirmed claims and counters
+    come back as they were (a registry whose options are not in the log: once a router re-sends them). A writer whose
     call was cut off by the restart calls again (the router retries): an append of a handle the shard already
     has is answered, not queued twice."""
 
@@ -80,6 +96,8 @@ class ShardHost:
         self._events_lock = threading.Lock()
         self._flusher: threading.Thread | None = None
         self._log = None
+        #: registries replayed without their options (not in the log): (fingerprint, staging, their records)
+        self._held: dict[str, tuple[str, dict | None, list[dict]]] = {}
         self.replayed = 0
         self._grace_until = time.monotonic() + ttl_s  # after a restart: leases the shard forgot are taken in
         if log_dir:
@@ -94,11 +112,17 @@ class ShardHost:
         return os.getpid()
 
     def open(self, name: str, options: dict | None, staging: dict | None) -> dict:
+        if name in self._held:  # restarted, its options not in the log: a router re-sends them
+            if options is None:
+                raise RegistryAwaitsOptions(f"grouping registry {name!r} on restarted shard {self.index} awaits "
+                                            "its options")
+            self._replay_held(name, options)
         reg = self.registries.get(name)
         if reg is None:
             if options is None:
                 raise KeyError(f"no grouping registry named {name!r} on shard {self.index}")
-            self._write(("open", name, options, staging))
+            if self._log is not None:
+                self._write(open_record(name, options, staging))
             reg = self._new_registry(name, options, staging)
         return reg.join_info()
 
@@ -108,45 +132,56 @@ class ShardHost:
         return reg
 
     # -- the log --
-    def _write(self, record: tuple) -> None:
+    def _write(self, line: bytes) -> None:
         if self._log is not None:
-            import cloudpickle  # options may hold a user's selector object
-
-            data = cloudpickle.dumps(record)
-            self._log.write(len(data).to_bytes(8, "little") + data)
+            self._log.write(line)
             self._log.flush()  # in the OS's hands: survives the actor's process
 
     def _replay(self, path) -> int:
-        import pickle
-
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return 0
-        pos = count = 0
-        while pos + 8 <= len(data):
-            size = int.from_bytes(data[pos:pos + 8], "little")
-            if pos + 8 + size > len(data):
-                break  # a record cut short by the kill: it never ran
-            record = pickle.loads(data[pos + 8:pos + 8 + size])
-            pos += 8 + size
-            count += 1
-            if record[0] == "open":
-                reg = self._new_registry(*record[1:])
+        records, end = read_log(path)  # JSON: a foreign or corrupted line raises, naming the file
+        for record in records:
+            name = record["name"]
+            if name in self._held:
+                self._held[name][2].append(record)
+            elif record["op"] == "open" and record["options"] is None:  # kept by the routers, not on disk
+                self._held[name] = (record["fingerprint"], record["staging"], [])
+            elif record["op"] == "open":
+                reg = self._new_registry(name, record["options"], record["staging"])
                 reg.on_append, reg._orphan_check_s = None, float("inf")  # the coordinator saw these already
-                continue
-            _, name, method, args = record
-            try:
-                self._apply(name, method, args)
-            except Exception:  # noqa: BLE001 - it raised the first time too (its caller was told)
-                pass
-        os.truncate(path, pos)
-        for name, reg in self.registries.items():
-            reg.on_append, reg._orphan_check_s = functools.partial(self._appended, name), 0.5
-            for claim in reg._claims.values():  # owners alive for one lease: a live one's heartbeat keeps it
-                if isinstance(claim["owner"], str):
-                    self.leases.adopt(claim["owner"])
-        return count
+            else:
+                self._replay_call(record)
+        if path.exists():
+            os.truncate(path, end)  # a record cut short by the kill: it never ran
+        for name in self.registries:
+            self._replayed(name)
+        return len(records)
+
+    def _replay_call(self, record: dict) -> None:
+        try:
+            self._apply(record["name"], record["method"], record["args"])
+        except Exception:  # noqa: BLE001 - it raised the first time too (its caller was told)
+            pass
+
+    def _replay_held(self, name: str, options: dict) -> None:
+        """The options of a registry this restarted shard held back arrived: replay its records now."""
+        fingerprint, staging, records = self._held[name]
+        if options_fingerprint(options) != fingerprint:
+            raise ConfigError(f"grouping registry {name!r} was opened on shard {self.index} with other options "
+                              "than the ones re-sent after its restart: build every transform that shares it with "
+                              "the same options")
+        del self._held[name]
+        reg = self._new_registry(name, options, staging)
+        reg.on_append, reg._orphan_check_s = None, float("inf")
+        for record in records:
+            self._replay_call(record)
+        self._replayed(name)
+
+    def _replayed(self, name: str) -> None:
+        reg = self.registries[name]
+        reg.on_append, reg._orphan_check_s = functools.partial(self._appended, name), 0.5
+        for claim in reg._claims.values():  # owners alive for one lease: a live one's heartbeat keeps it
+            if isinstance(claim["owner"], str):
+                self.leases.adopt(claim["owner"])
 
     def _apply(self, name: str, method: str, args: tuple):
         if method == "append":
@@ -193,13 +228,16 @@ class ShardHost:
             raise AttributeError(f"GroupRegistry has no remote method {method!r}")
         if kwargs:
             raise TypeError("shard calls take positional arguments")
+        if name in self._held:
+            raise RegistryAwaitsOptions(f"grouping registry {name!r} on restarted shard {self.index} awaits its "
+                                        "options")
         if method == "append":
             if args[1] in self._seen.get(name, ()):
                 return self._answer_again(self.registries[name], args[1])
             if self.replayed and time.monotonic() < self._grace_until and not self.leases.alive(args[3]):
                 self.leases.adopt(args[3])  # restarted: a writer's lease is known again at its next heartbeat
-        if method in LOGGED:
-            self._write(("call", name, method, tuple(args)))
+        if method in LOGGED and self._log is not None:
+            self._write(call_record(name, method, tuple(args)))
         return self._apply(name, method, tuple(args))
 
     def adopt(self, token: str) -> None:
@@ -219,14 +257,27 @@ class ShardedRegistry(_Proxy):
     (remembered from the answers, else asked of all); ``recover`` and every counter are gathered from all
     shards; leases are granted by the coordinator and adopted by every shard."""
 
-    def __init__(self, name: str, shards: list, coordinator, restart_wait_s: float = 0.0) -> None:
+    def __init__(self, name: str, shards: list, coordinator, restart_wait_s: float = 0.0,
+                 opened: tuple[dict, dict | None] | None = None) -> None:
         self._name, self._shards, self._coordinator = name, list(shards), coordinator
         self._restart_wait_s = float(restart_wait_s)
         self._claim_shard: dict[str, int] = {}
+        #: ``(options, staging)`` of the registry (its ``join_info``): re-sent to a shard restarted without them
+        self._opened = opened
+
+    @classmethod
+    def open(cls, name: str, shards: list, coordinator, restart_wait_s: float, options: dict | None,
+             staging: dict | None) -> ShardedRegistry:
+        """Open (create with ``options``, or join) registry ``name`` on every shard; the router keeps what the
+        shards answered (its options, in memory)."""
+        router = cls(name, shards, coordinator, restart_wait_s)
+        infos = router._shard_get(lambda: [s.open.remote(name, options, staging) for s in router._shards])
+        router._opened = (infos[0]["options"], infos[0]["staging"])
+        return router
 
     def __getstate__(self) -> dict:
         return {"_name": self._name, "_shards": self._shards, "_coordinator": self._coordinator,
-                "_restart_wait_s": self._restart_wait_s}
+                "_restart_wait_s": self._restart_wait_s, "_opened": self._opened}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -250,16 +301,26 @@ class ShardedRegistry(_Proxy):
 
     def _shard_get(self, submit):
         """Shard calls; while a shard that Ray restarts comes back (it replays its log), the call is made
-        again, for up to ``restart_wait_s`` (every shard call is safe to repeat)."""
+        again, for up to ``restart_wait_s`` (every shard call is safe to repeat). A restarted shard that awaits
+        the registry's options (not in its log) is sent them first."""
         ray = _ray()
         deadline = time.monotonic() + self._restart_wait_s
+        reopen = False
         while True:
             try:
+                if reopen and self._opened is not None:  # idempotent on the shards that have the registry
+                    _get([s.open.remote(self._name, *self._opened) for s in self._shards])
                 return _get(submit())
             except ManagerDiedError as err:
                 if not isinstance(err.__cause__, ray.exceptions.RayActorError) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+            except RegistryAwaitsOptions:  # a restarted shard without this registry's options (not on disk)
+                if time.monotonic() > deadline:
+                    raise
+                if reopen or self._opened is None:  # a router that has them (another process's) re-sends them
+                    time.sleep(0.2)
+                reopen = True
 
     def _remember(self, index: int, decisions: list[dict]) -> None:
         for decision in decisions:

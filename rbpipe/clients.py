@@ -194,8 +194,8 @@ class CollectorClient(_Attached):
                             len(errors))
 
     def _count(self, produced: int, rejected: int = 0) -> None:
-        """Count trajectories as handed over *before* handing them over (a collector killed in between has
-        them counted, and the registry knows them), with the time spent since the last count."""
+        """Count trajectories as produced *before* handing them over, with the time spent since the last count:
+        a collector killed in between loses at most this call (the summary's ``lost_in_flight``)."""
         pending, self._unreported_ns = self._unreported_ns, {"generate_ns": 0, "handover_ns": 0}
         self._call("count", produced, rejected, pending["generate_ns"], pending["handover_ns"])
 

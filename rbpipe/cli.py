@@ -109,7 +109,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
                         "collectors sample and the learner trains; never downloads; None: the built-in tiny Qwen2")
     g = p.add_argument_group("rollouts and learner")
     g.add_argument("--steps", type=int,
-                   help="learner steps: the cap of a run that stops at --target-reward (default 300), or exactly this "
+                   help="learner steps: the cap of a run that stops at --target-reward (default 600), or exactly this "
                         "many steps when --target-reward is not given (with --resume: the saved run's)")
     g.add_argument("--target-reward", type=_target, metavar="R|none",
                    help="stop once the mean reward of the last 10 learner steps is at least R (default 0.9 when "
@@ -314,7 +314,7 @@ def run_config(args, given: set[str]):
         keep_return_bounds=tuple(args.keep_return_bounds) if args.keep_return_bounds else None,
         candidate_group_size=args.candidate_group_size, selector=args.selector,
         steps=args.steps if args.steps is not None else RunConfig.steps,
-        # --steps alone runs that many steps; without it the run stops at the target (300 steps at most)
+        # --steps alone runs that many steps; without it the run stops at the target (600 steps at most)
         target_reward=(args.target_reward if "target_reward" in given
                        else None if args.steps is not None else RunConfig.target_reward),
         groups_per_step=args.groups_per_step, lr=args.lr, temperature=args.temperature,

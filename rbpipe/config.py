@@ -32,7 +32,7 @@ class RunConfig:
     temperature: float = 1.0
     seed: int = 0
     # learner
-    steps: int = 300
+    steps: int = 600
     groups_per_step: int = 8
     lr: float = 1e-3
     micro_batches: int = 1

@@ -68,10 +68,10 @@ def test_inspect_of_a_path_that_is_not_a_store_is_a_clear_error(tmp_path, capsys
 
 
 @pytest.mark.parametrize("argv, target, steps", [
-    ([], 0.9, 300),  # the default run stops once the task is learned, 300 steps at most
+    ([], 0.9, 600),  # the default run stops once the task is learned, 600 steps at most
     (["--steps", "40"], None, 40),  # --steps alone: exactly that many steps
     (["--steps", "40", "--target-reward", "0.8"], 0.8, 40),
-    (["--target-reward", "none"], None, 300),
+    (["--target-reward", "none"], None, 600),
 ])
 def test_the_default_run_stops_at_the_target_and_steps_alone_runs_them_all(argv, target, steps):
     from rbpipe.cli import build_parser, explicit_options, run_config

@@ -28,10 +28,13 @@ from rbpipe.schema import (
 )
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "1",
-       "--groups-per-step", "2", "--grpo-size", "4"]
+       "--groups-per-step", "2", "--grpo-size", "4", "--max-new-tokens", "3"]
 
 # A task unlike the built-in one (which pays 1.0 for copying the first digit): prompts "<bos> a b =" and a
-# reward of 0.1 plus 0.25 per response token equal to the prompt's last digit.
+# reward of 0.1 plus 0.25 per response token equal to the prompt's last digit, plus 0.01 x the first response
+# token's id. The last term makes the four samples of a group almost never tie (a tie is a zero advantage, so a
+# run whose every group tied would leave the weights where they started and the training test below would
+# fail for a reason that is not the one it checks).
 TASK_FILE = '''
 import torch
 
@@ -46,7 +49,7 @@ class LastDigitCount:
         return torch.cat([torch.tensor([2]), digits + 4, torch.tensor([3])])
 
     def reward(self, prompt, response):
-        return 0.1 + 0.25 * int((response == prompt[-2]).sum())
+        return 0.1 + 0.25 * int((response == prompt[-2]).sum()) + 0.01 * int(response[0])
 
 
 def bad_prompt():
@@ -74,7 +77,7 @@ class HugeIds:
 
 
 def custom_reward(prompt: torch.Tensor, response: torch.Tensor) -> float:
-    return 0.1 + 0.25 * int((response == prompt[-2]).sum())
+    return 0.1 + 0.25 * int((response == prompt[-2]).sum()) + 0.01 * int(response[0])
 
 
 @pytest.fixture

@@ -57,6 +57,7 @@ def _load() -> None:
     with _lock:
         if _state["pid"] is None:
             kernels: ModuleType | None = None
+            torch_threads = torch.get_num_threads()
             try:
                 import numba
 
@@ -74,6 +75,11 @@ def _load() -> None:
                               f"start ({type(err).__name__}: {err}). Set NUMBA_CACHE_DIR to a writable directory, "
                               f"or {ENV}=0 to silence this.", RuntimeWarning, stacklevel=3)
                 kernels = None
+            finally:
+                # starting numba's OpenMP pool raises the process's OpenMP thread count (torch's too) to every
+                # core: a worker that chose 1 thread (it shares the cores with others) keeps its choice
+                if torch.get_num_threads() != torch_threads:
+                    torch.set_num_threads(torch_threads)
             _state["kernels"] = kernels
         else:  # a forked child: the parent's OpenMP threads do not exist here
             _state["kernels"] = None

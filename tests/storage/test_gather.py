@@ -253,3 +253,22 @@ def test_whole_groups_read_while_another_process_appends_and_evicts(tmp_path, mo
         proc.kill()
         proc.join(10)
     assert calls, "no sample took the parallel copy"
+
+
+def test_starting_the_copy_threads_keeps_the_callers_torch_thread_count():
+    """A worker that set ``torch.set_num_threads(1)`` (the learner, which shares 2 cores with the collectors)
+    keeps 1: starting numba's OpenMP pool had raised torch's count to every core, so the learner's tiny
+    matmuls ran on 2 spinning OpenMP threads and took ~40% of a core from the collectors."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, torch\n"
+            "torch.set_num_threads(1)\n"
+            "assert torch.get_num_threads() == 1  # torch's pool is set up first, as in the learner\n"
+            "from rbpipe.storage import gather\n"
+            "assert gather.parallel_available()\n"
+            "gather.pad_ragged(np.arange(12, dtype=np.int64), np.array([5, 7]), (), np.dtype(np.int64))\n"
+            "print(torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1"]

@@ -332,6 +332,10 @@ def _run(args, given: set[str]) -> int:
     if not args.no_progress:  # importing torch and spawning the workers takes seconds before the progress line
         print(f"rbpipe {args.command}: starting " + ("the service" if serving else "processes"), file=sys.stderr,
               flush=True)
+    if args.engine == "local":  # the workers' fork server imports torch & co. on the other core meanwhile
+        from rbpipe.procs import warm_worker_server
+
+        warm_worker_server()
     from rbpipe.endpoint import parse_listen
     from rbpipe.workers.launcher import launch, serve
 

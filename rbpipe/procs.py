@@ -59,10 +59,12 @@ def die_with_parent(parent_pid: int | None, *, poll_s: float = 0.5, deathsig: bo
     """Make this worker die when ``parent_pid`` (its launcher) dies, however the launcher ends (SIGKILL
     included), so that no orphan keeps writing a store whose lock names a dead process.
 
-    Linux: ``PR_SET_PDEATHSIG`` (SIGKILL, delivered by the kernel; ``deathsig=False`` skips it for a process
-    whose parent may start it from a thread that ends first, as the signal follows the starting *thread*).
-    Everywhere, and for the race where the parent died before the call: a daemon thread that polls the parent
-    pid, runs ``on_exit`` (clean-up that must not be skipped) and kills this process.
+    Linux: ``PR_SET_PDEATHSIG`` (SIGKILL, delivered by the kernel when the process that forked this one ends:
+    for a worker, the fork server, which exits as soon as the launcher that started it is gone;
+    ``deathsig=False`` skips it for a process whose parent may start it from a thread that ends first, as the
+    signal follows the starting *thread*). Everywhere, and for the race where the launcher died before the
+    call: a daemon thread that polls the launcher (its pid and start time), runs ``on_exit`` (clean-up that
+    must not be skipped) and kills this process.
     """
     if parent_pid is None:
         return
@@ -72,9 +74,10 @@ def die_with_parent(parent_pid: int | None, *, poll_s: float = 0.5, deathsig: bo
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass  # not Linux: the watchdog below is enough
+    started = start_time(parent_pid)
 
-    def watch() -> None:  # also covers a parent already gone (we were re-parented before the first check)
-        while os.getppid() == parent_pid:
+    def watch() -> None:  # also covers a launcher already gone before the first check
+        while same_process_alive(parent_pid, started):
             time.sleep(poll_s)
         if on_exit is not None:
             on_exit()
@@ -148,27 +151,56 @@ def _sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, old)
 
 
-class _SigintIgnoringProcess(multiprocess.context.SpawnProcess):
-    """A spawned process that ignores SIGINT from its first instruction on.
+#: What the fork server imports once, so that every worker (and the grouping manager) starts as a fork of an
+#: interpreter that has them: importing torch, torchrl and transformers costs ~4 s of CPU per process, and a
+#: run's four children importing them at once on 2 cores took ~10 s before any of them did work.
+WORKER_PRELOAD = ("rbpipe.workers.learner", "rbpipe.workers.collector", "rbpipe.grouping.manager",
+                  "rbpipe.demo.policy", "transformers.models.qwen2.modeling_qwen2")
 
-    A terminal's Ctrl-C goes to the whole foreground process group: a child still importing torch would die of
-    it with a traceback, and blocking the signal does not help (spawn's ``fork_exec`` resets the child's signal
-    mask). An *ignored* disposition survives ``exec``, so this process's SIGINT is ignored while it forks (a few
-    milliseconds; a Ctrl-C in exactly that window is lost, press it again). The launcher stops its children
-    itself (stop flag, then terminate)."""
+
+class _WorkerProcess(multiprocess.context.ForkServerProcess):
+    """A worker forked by the fork server: a clean interpreter (the server only imported
+    :data:`WORKER_PRELOAD`, it never ran a tensor op, so no OpenMP pool is copied), that ignores SIGINT and
+    sees the environment its starter had when it called :meth:`start` (as a spawned process would).
+
+    SIGINT: a terminal's Ctrl-C goes to the whole foreground process group; the launcher stops its children
+    itself (stop flag, then terminate), so a worker ignores it. The fork server is started with SIGINT ignored
+    (:func:`warm_worker_server`), and its children inherit that disposition from their first instruction on.
+    """
 
     def start(self) -> None:
+        self._start_environ = dict(os.environ)  # travels with the pickled process object
         with _sigint_ignored():
             super().start()
 
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # also where the server was started without the guard
+        environ = getattr(self, "_start_environ", None)
+        if environ is not None:  # the server's environment is its own starter's, captured once
+            os.environ.clear()
+            os.environ.update(environ)
+        super().run()
 
-class _SigintIgnoringContext(multiprocess.context.SpawnContext):
-    Process = _SigintIgnoringProcess
+
+class _WorkerContext(multiprocess.context.ForkServerContext):
+    Process = _WorkerProcess
 
 
-def quiet_spawn_context() -> multiprocess.context.SpawnContext:
-    """The ``spawn`` context whose processes ignore Ctrl-C (see :class:`_SigintIgnoringProcess`)."""
-    return _SigintIgnoringContext()
+def warm_worker_server() -> None:
+    """Start the fork server now (it imports :data:`WORKER_PRELOAD` in the background, on the other core, while
+    this process goes on); the first worker start waits for it. Idempotent; the server exits with this
+    process."""
+    from multiprocess import forkserver
+
+    forkserver.set_forkserver_preload(list(WORKER_PRELOAD))
+    with _sigint_ignored(), quiet_killed_worker_trackers():
+        forkserver.ensure_running()
+
+
+def worker_context() -> multiprocess.context.BaseContext:
+    """The context every rbpipe process is started from: the fork server (:class:`_WorkerProcess`)."""
+    warm_worker_server()
+    return _WorkerContext()
 
 
 def _parent_pid() -> int | None:

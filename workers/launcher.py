@@ -1,10 +1,11 @@
 """Launcher and supervisor: ``rbpipe run`` (a service plus its collectors and learner) and ``rbpipe serve``
 (the service alone, for workers that attach from elsewhere); both watch the run and write its summary.
 
-Start method: ``multiprocess`` with **spawn**. Fork would copy a parent that already ran multi-threaded
-torch ops (a child can then hang in OpenMP while holding a write lock) and share lazily-allocated storages
-by accident; spawn starts clean interpreters and every shared object travels explicitly (manager proxies,
-paths of memory-mapped files and of the store).
+Start method: ``multiprocess``'s **fork server** (:func:`rbpipe.procs.worker_context`). A plain fork would
+copy a parent that already ran multi-threaded torch ops (a child can then hang in OpenMP while holding a write
+lock) and share lazily-allocated storages by accident; the fork server only imported the heavy modules, so
+each worker starts clean without importing them again, and every shared object travels explicitly (manager
+proxies, paths of memory-mapped files and of the store). docs/DESIGN.md says why and what it saves.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rbpipe.clients import check_store_path, open_run_store
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
-from rbpipe.procs import quiet_killed_worker_trackers, quiet_spawn_context, same_process_alive, start_time
+from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
 from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix
 from rbpipe.progress import SUMMARY as WRITING_SUMMARY
 from rbpipe.report import (
@@ -280,7 +281,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
     if engine == "ray":
         ctx = _ray_context(cfg, ray)
     else:
-        ctx = quiet_spawn_context()
+        ctx = worker_context()
     service = Service(cfg, run_dir, store, storage, listen=listen,
                       expect_collectors=cfg.collectors if spawn_workers else 1, engine=engine,
                       grouping_shards=int(ray.get("grouping_shards") or 1))
@@ -445,7 +446,7 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
                     w.next_start = time.time() + delay
                     w.restarts += 1
                 elif w.process is None and time.time() >= w.next_start:
-                    _start(ctx if ctx is not None else quiet_spawn_context(), w, pids, run_dir)
+                    _start(ctx if ctx is not None else worker_context(), w, pids, run_dir)
             step = int(learner_state["step"])
             bar.n = step
             bar.set_description(phase(int(learner_state["phase"]), step, start_step), refresh=False)

@@ -21,7 +21,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
-from rbpipe.procs import die_with_parent, quiet_spawn_context
+from rbpipe.procs import die_with_parent, worker_context
 
 if TYPE_CHECKING:
     from rbpipe.rayengine import RayManager  # the same registry/coordinator interface, over Ray actors
@@ -219,6 +219,9 @@ def _init_manager_process(owner: int | None = None) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the workers; the launcher shuts us down
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
+    # A process inherits its starter's temporary directory setting, and the starter's directory also holds the
+    # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes
+    mp_util.process.current_process()._config["tempdir"] = None
     mp_util.Finalize(None, _clean_up, exitpriority=-1)  # a normal shutdown removes temporary staging too
     if owner is not None:
         # polling only (no PR_SET_PDEATHSIG): a library caller may start the manager from a thread that ends first
@@ -226,7 +229,8 @@ def _init_manager_process(owner: int | None = None) -> None:
 
 
 def start_manager(*, address: tuple[str, int] | str | None = None, authkey: bytes | None = None) -> GroupingManager:
-    """Start a grouping manager process (``multiprocess`` spawn). Shut it down with ``manager.shutdown()``.
+    """Start a grouping manager process (forked by the fork server, :func:`rbpipe.procs.worker_context`).
+    Shut it down with ``manager.shutdown()``.
 
     ``address=None`` listens on a Unix socket in a private temporary directory where the platform has them
     (about 20% less CPU per call than TCP loopback, in the manager and in every writer); pass
@@ -234,7 +238,7 @@ def start_manager(*, address: tuple[str, int] | str | None = None, authkey: byte
     """
     spin_seconds()  # a bad RBPIPE_SPIN_US fails here, in plain words, before a process is spawned
     manager = GroupingManager(address=address, authkey=authkey or secrets.token_bytes(32),
-                              ctx=quiet_spawn_context())  # it ignores Ctrl-C: its owner shuts it down
+                              ctx=worker_context())  # it ignores Ctrl-C: its owner shuts it down
     manager.start(_init_manager_process, (os.getpid(),))
     return manager
 

@@ -1,0 +1,91 @@
+"""Workers forked by the fork server (``rbpipe.procs.worker_context``) behave as spawned ones did: they see
+their starter's environment as it was at ``start()``, ignore Ctrl-C, and die when their starter is SIGKILLed
+(their direct parent is the fork server, not the starter, so neither ``getppid`` nor the death signal of the
+starter alone would tell them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rbpipe.procs import pid_alive, worker_context
+
+
+def _report(path: str) -> None:
+    disposition = "ignored" if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else "handled"
+    Path(path).write_text(f"{os.environ.get('RBPIPE_TEST_MARK', '<unset>')} {disposition} {os.getpid()}")
+
+
+def _run_report(path: Path) -> list[str]:
+    proc = worker_context().Process(target=_report, args=(str(path),), daemon=True)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0, proc.exitcode
+    return path.read_text().split()
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_sees_its_starters_environment_of_the_moment_and_ignores_ctrl_c(tmp_path, monkeypatch):
+    monkeypatch.setenv("RBPIPE_TEST_MARK", "first")
+    mark, sigint, pid = _run_report(tmp_path / "a")
+    assert (mark, sigint) == ("first", "ignored")
+    assert int(pid) != os.getpid()
+    monkeypatch.setenv("RBPIPE_TEST_MARK", "second")  # the fork server started earlier: a later change counts
+    assert _run_report(tmp_path / "b")[:2] == ["second", "ignored"]
+    monkeypatch.delenv("RBPIPE_TEST_MARK")
+    assert _run_report(tmp_path / "c")[0] == "<unset>"
+
+
+STARTER = textwrap.dedent("""
+    import sys, time
+    from rbpipe.procs import run_worker, worker_context
+
+    def forever():
+        while True:
+            time.sleep(0.1)
+
+    def body():
+        run_worker("test worker", forever)
+
+    if __name__ == "__main__":
+        proc = worker_context().Process(target=body, daemon=True)
+        proc.start()
+        print(proc.pid, flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_dies_when_its_starter_is_sigkilled(tmp_path):
+    script = tmp_path / "starter.py"
+    script.write_text(STARTER)
+    starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    worker = None
+    try:
+        line = starter.stdout.readline()
+        assert line.strip().isdigit(), line
+        worker = int(line)
+        assert pid_alive(worker)
+        time.sleep(1.0)  # the worker's watchdog is running
+        starter.kill()
+        starter.wait(10)
+        deadline = time.time() + 10
+        while pid_alive(worker) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(worker), "the worker outlived its SIGKILLed starter"
+    finally:
+        try:
+            os.killpg(starter.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        starter.wait(10)
+        if worker is not None and pid_alive(worker):
+            os.kill(worker, signal.SIGKILL)

@@ -175,10 +175,8 @@ class _WorkerProcess(multiprocess.context.ForkServerProcess):
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # also where the server was started without the guard
-        environ = getattr(self, "_start_environ", None)
-        if environ is not None:  # the server's environment is its own starter's, captured once
-            os.environ.clear()
-            os.environ.update(environ)
+        os.environ.clear()  # the server's environment is its own starter's, captured once
+        os.environ.update(self._start_environ)
         super().run()
 
 

@@ -1,7 +1,8 @@
 """Pipeline overhead: time (and learner steps) to reach a mean reward of 0.9.
 
 baseline one process that alternates generating and training: same model, task, samples per step, loss and
-         optimizer; no processes, no shared grouping, no storage (a process-local torchrl MCAdvantage).
+         optimizer; a step's prompts generated in one batch (as the collectors batch their work units); no
+         processes, no shared grouping, no storage (a process-local torchrl MCAdvantage).
 ours     ``rbpipe run`` (2 collectors + learner, shared grouping, Arrow store), stopped at the target.
 
 Per seed, both sides in turn; prints medians and ``ratio_wall`` = median rbpipe time / median one-process time
@@ -23,7 +24,7 @@ from tensordict import lazy_stack
 from torchrl.objectives.llm import MCAdvantage
 
 from rbpipe.config import RunConfig
-from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
+from rbpipe.demo.policy import build_learner_actor, build_model, sample_batch
 from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
 from rbpipe.schema import GROUP_KEY, REWARD_KEY, make_trajectory
@@ -42,17 +43,18 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
     t0, index, recent = time.time(), 0, []
     for step in range(1, max_steps + 1):
         groups = []
-        while len(groups) < cfg.groups_per_step:
-            prompt = task.prompt(index)
-            tokens, log_probs = sample_responses(model, prompt, cfg.grpo_size, max_new_tokens=cfg.max_new_tokens,
-                                                 temperature=cfg.temperature, generator=gen)
-            for response, lp in zip(tokens, log_probs, strict=True):
-                out = grouping.inv(make_trajectory(group_id=index, prompt=prompt, response=response,
-                                                   rollout_log_probs=lp, reward=task.reward(prompt, response),
-                                                   collector_id=0, policy_version=step - 1))
-                if out is not None:
-                    groups.append(out)
-            index += 1
+        while len(groups) < cfg.groups_per_step:  # every prompt still needed in one batch (as collectors do)
+            prompts = [task.prompt(index + i) for i in range(cfg.groups_per_step - len(groups))]
+            samples = sample_batch(model, prompts, [cfg.grpo_size] * len(prompts), max_new_tokens=cfg.max_new_tokens,
+                                   temperature=cfg.temperature, generator=gen)
+            for prompt, (tokens, log_probs) in zip(prompts, samples, strict=True):
+                for response, lp in zip(tokens, log_probs, strict=True):
+                    out = grouping.inv(make_trajectory(group_id=index, prompt=prompt, response=response,
+                                                       rollout_log_probs=lp, reward=task.reward(prompt, response),
+                                                       collector_id=0, policy_version=step - 1))
+                    if out is not None:
+                        groups.append(out)
+                index += 1
         rows = lazy_stack([row for g in groups for row in g.unbind(0)])
         batch = build_loss_batch(rows, actor=actor, recompute_old=False)
         train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)

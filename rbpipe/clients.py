@@ -51,8 +51,10 @@ def _check_same(what: str, mine: str | None, theirs: str | None, target: str) ->
                           f"(rbpipe serve --{what} {mine})")
 
 
-def _rejected(err: BadTrajectoryError, n: int) -> BadTrajectoryError:
-    err.rejected = n  # type: ignore[attr-defined]  # how many trajectories of the call were not handed over
+def _rejected(err: BadTrajectoryError, n: int, indices: list[int] | None = None) -> BadTrajectoryError:
+    # how many trajectories of the call were not handed over, and which (positions in the call; None: all)
+    err.rejected = n  # type: ignore[attr-defined]
+    err.rejected_indices = indices  # type: ignore[attr-defined]
     return err
 
 
@@ -148,13 +150,19 @@ class CollectorClient(_Attached):
     def take(self) -> dict | None:
         """The next work unit ``{"prompt": index, "samples": n}``, or None while the rate limit holds new
         prompts back (ask again shortly)."""
-        unit = self._call("take", self.lease)
-        if unit is not None and unit.get("lease") == "expired":  # frozen past the lease's time to live
+        units = self.take_many(1)
+        return units[0] if units else None
+
+    def take_many(self, max_units: int) -> list[dict]:
+        """Up to ``max_units`` work units of different prompts in one round trip (generate them in one batch,
+        hand them over in one :meth:`extend`); ``[]`` while the rate limit holds new prompts back."""
+        units = self._call("take_many", self.lease, max_units)
+        if isinstance(units, dict):  # {"lease": "expired"}: frozen past the lease's time to live
             self._join()
-            unit = self._call("take", self.lease)
-            if unit is not None and "lease" in unit:
+            units = self._call("take_many", self.lease, max_units)
+            if isinstance(units, dict):
                 raise RbpipeError("the service no longer knows this collector's lease; restart the collector")
-        return unit
+        return units
 
     def extend(self, trajectories) -> None:
         """Hand trajectories over: one (a [T] TensorDict), a [B, T] batch, or a list (e.g. a work unit's
@@ -162,13 +170,15 @@ class CollectorClient(_Attached):
 
         Raises :class:`~rbpipe.errors.BadTrajectoryError` (one line) on bad input: the bad trajectories are
         counted as rejected and nothing of them was handed over; the good ones of the same call were
-        (``err.rejected`` says how many were not)."""
+        (``err.rejected`` says how many were not, ``err.rejected_indices`` which: positions in the call, None
+        when none of the call was handed over)."""
         transform = self.buffer.grouping_transform
         try:
             trajs = transform.split_trajectories(trajectories)
         except BadTrajectoryError as err:
-            self._count(1, rejected=1)
-            raise _rejected(err, 1) from None
+            n = len(trajectories) if isinstance(trajectories, list) else 1
+            self._count(n, rejected=n)
+            raise _rejected(err, n) from None
         self._count(len(trajs))
         start = time.perf_counter_ns()
         try:
@@ -176,22 +186,23 @@ class CollectorClient(_Attached):
         except BadTrajectoryError as err:
             if len(trajs) == 1:
                 self._call("count", 0, 1)
-                raise _rejected(err, 1) from None
+                raise _rejected(err, 1, [0]) from None
             self._extend_each(trajs)  # isolate the bad ones; the good ones are still handed over
         finally:
             self._unreported_ns["handover_ns"] += time.perf_counter_ns() - start
 
     def _extend_each(self, trajs: list) -> None:
-        errors = []
-        for traj in trajs:
+        errors, bad = [], []
+        for i, traj in enumerate(trajs):
             try:
                 self.buffer.extend(traj)
             except BadTrajectoryError as err:
                 errors.append(err)
+                bad.append(i)
         self._call("count", 0, len(errors))
         if errors:
             raise _rejected(BadTrajectoryError(f"{len(errors)} of {len(trajs)} trajectories rejected: {errors[0]}"),
-                            len(errors))
+                            len(errors), bad)
 
     def _count(self, produced: int, rejected: int = 0) -> None:
         """Count trajectories as produced *before* handing them over, with the time spent since the last count:
@@ -278,9 +289,10 @@ class LearnerClient(_Attached):
         """Collectors' seconds so far (all together): generating, handing over, blocked by the rate limit."""
         return self._call("timing")
 
-    def report(self, **fields: Any) -> None:
-        """Progress for the service's line, band and summary (``rbpipe.coordinator.LEARNER_FIELDS``)."""
-        call(self.coordinator, "report_learner", **fields)
+    def report(self, **fields: Any) -> dict[str, float]:
+        """Progress for the service's line, band and summary (``rbpipe.coordinator.LEARNER_FIELDS``); returns
+        :meth:`collectors_timing` (a learner reports every step and logs both: one round trip)."""
+        return call(self.coordinator, "report_learner", **fields)
 
     def close(self) -> None:
         try:

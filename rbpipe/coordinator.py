@@ -11,8 +11,8 @@ the single-launcher run always did); a collector alone gets a whole prompt. New 
 rate limiter's band allows (collectors' lead over the learner, :mod:`rbpipe.rate_limit`).
 
 The learner reports its progress here (step, groups trained / retired, phase, done), which moves the band
-on and is what ``rbpipe serve`` and ``rbpipe run`` show and summarise. The prompt share-out is persisted on
-every change (``prompts.json``, written atomically), so a resumed service continues the same prompts.
+on and is what ``rbpipe serve`` and ``rbpipe run`` show and summarise. The prompts still owed are persisted
+whenever their total changes (``prompts.json``, written atomically), so a resumed service continues them.
 """
 
 from __future__ import annotations
@@ -25,13 +25,32 @@ from typing import Any
 
 from rbpipe.fsutil import atomic_write_json
 from rbpipe.grouping.leases import LEASES
-from rbpipe.grouping.manager import COORDINATOR_EXPOSED
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
+from rbpipe.service_api import COORDINATOR_EXPOSED
 
 PROMPTS = "prompts.json"
 #: learner fields a learner may report (all ints but ``phase``/``busy``): unknown names are refused
 LEARNER_FIELDS = ("step", "done", "phase", "consumed_groups", "stale_groups", "stale_trajectories",
                   "sample_blocked_ns", "start_step")  # start_step: the checkpoint step the learner started from
+
+
+#: Seconds the coordinator reuses the grouping counters it reads on every change (dropped groups move the band).
+STATS_CACHE_S = 0.05
+
+
+class CachedStats:
+    """What the coordinator reads of the registry, at most every ``ttl_s``: it reads the dropped groups on every
+    change, and a registry's counters cost a pass over all of its shards (a Ray call to each, for Ray's)."""
+
+    def __init__(self, registry, ttl_s: float) -> None:
+        self.registry, self.ttl_s, self._at = registry, float(ttl_s), -1e9
+        self._stats: dict[str, Any] = {}
+
+    def get_stats(self, fresh: bool = False) -> dict:
+        now = time.monotonic()
+        if fresh or now - self._at > self.ttl_s:
+            self._stats, self._at = self.registry.get_stats(), now
+        return self._stats
 
 
 class Coordinator:
@@ -45,6 +64,7 @@ class Coordinator:
         expect_collectors: no prompt opens before this many collectors joined (``rbpipe run`` starts N at
             once: its first groups mix them too); 1 for a service whose collectors come when they like.
         registry: the registry whose dropped groups also move the band on.
+        stats_cache_s: how long its counters are reused (they are read on every change; fresh at close).
 
     Examples:
         >>> import tempfile
@@ -62,11 +82,11 @@ class Coordinator:
     exposed = COORDINATOR_EXPOSED
 
     def __init__(self, samples_per_prompt: int, unit_size: int, limiter: dict, state_dir: str,
-                 expect_collectors: int = 1, registry=None) -> None:
+                 expect_collectors: int = 1, registry=None, stats_cache_s: float = STATS_CACHE_S) -> None:
         self.samples_per_prompt = int(samples_per_prompt)
         self.unit_size = max(1, min(int(unit_size), self.samples_per_prompt))
         self._state_path = Path(state_dir) / PROMPTS
-        self._registry = registry
+        self._registry = None if registry is None else CachedStats(registry, stats_cache_s)
         self._lock = threading.Lock()
         self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / RATE_LIMIT_FILE, create=True)
         self._expect = max(1, int(expect_collectors))
@@ -102,16 +122,17 @@ class Coordinator:
         self._limiter.set_inserted(0, self.next_prompt)
         self._limiter.set_samples(1, self._totals["dropped_groups"])
 
-    def _dropped(self) -> int:
-        stats = self._registry.get_stats() if self._registry is not None else {}
+    def _dropped(self, fresh: bool = False) -> int:
+        stats = self._registry.get_stats(fresh) if self._registry is not None else {}
         return self._totals["dropped_groups"] + int(stats.get("dropped_groups", 0))
 
-    def _save(self) -> None:
+    def _save(self, fresh: bool = False) -> None:
         todo = dict(self._pool)
         for (prompt, _), left in self._units.items():
             todo[prompt] = todo.get(prompt, 0) + left
         totals = {"produced": self._totals["produced"] + self._counts["produced"],
-                  "rejected": self._totals["rejected"] + self._counts["rejected"], "dropped_groups": self._dropped()}
+                  "rejected": self._totals["rejected"] + self._counts["rejected"],
+                  "dropped_groups": self._dropped(fresh)}
         atomic_write_json(self._state_path, {"next_prompt": self.next_prompt, "totals": totals,
                                              "todo": {str(p): n for p, n in sorted(todo.items())}})
 
@@ -131,25 +152,39 @@ class Coordinator:
     def take(self, lease: str) -> dict | None:
         """The next unit for the collector holding ``lease``: ``{"prompt", "samples"}``, or None while the band
         is full (ask again shortly). A dead or unknown lease gets nothing (``{"lease": "expired"}``)."""
+        units = self.take_many(lease, 1)
+        return units if isinstance(units, dict) else (units[0] if units else None)
+
+    def take_many(self, lease: str, max_units: int) -> list[dict] | dict:
+        """Up to ``max_units`` units for ``lease`` in one call, each of another prompt: a collector generates
+        them in one batched forward and hands them over in one call. ``[]`` while the band is full; a dead or
+        unknown lease gets ``{"lease": "expired"}``. A prompt's units still go to different collectors."""
         if not LEASES.alive(lease) or lease not in self._ids:
             return {"lease": "expired"}
         with self._lock:
             self._reclaim()
-            unit = self._pick(lease)
+            opened = self.next_prompt
+            taken: dict[int, int] = {}  # prompt -> samples (a collector alone may get a prompt's units at once)
+            for _ in range(max(1, int(max_units))):
+                unit = self._pick(lease)
+                if unit is None:
+                    break
+                prompt, n = unit
+                taken[prompt] = taken.get(prompt, 0) + n
+                self._units[(prompt, lease)] = self._units.get((prompt, lease), 0) + n
+                self._shares.setdefault(prompt, set()).add(lease)  # (the next pick prefers another prompt)
             now = time.monotonic_ns()
-            if unit is None:
+            if not taken:
                 self._blocked_since.setdefault(lease, now)
                 self._publish_blocked(now)
-                return None
+                return []
             since = self._blocked_since.pop(lease, None)
             if since is not None:
                 self._counts["insert_blocked_ns"] += now - since
-            prompt, n = unit
-            self._units[(prompt, lease)] = self._units.get((prompt, lease), 0) + n
-            self._shares.setdefault(prompt, set()).add(lease)
-            self._counts["units"] += 1
-            self._save()
-            return {"prompt": prompt, "samples": n}
+            self._counts["units"] += len(taken)
+            if self.next_prompt != opened:  # samples moved from the pool to units: the total owed changed only
+                self._save()                # where a new prompt opened
+            return [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
 
     def _pick(self, lease: str) -> tuple[int, int] | None:
         """Oldest open prompt first; a prompt's units go to different collectors while another live collector
@@ -214,20 +249,28 @@ class Coordinator:
         self._save()
 
     def appended(self, group, lease, n: int = 1) -> None:
-        """(Registry hook, manager-side.) ``n`` trajectories of prompt ``group`` were appended under ``lease``
-        (a unit handed over in one call: one save of the prompts still owed, not one per sample)."""
-        key = (group, lease)
+        """``n`` trajectories of prompt ``group`` were appended under ``lease``."""
+        self.appended_many(lease, {group: n})
+
+    def appended_many(self, lease, counts: dict) -> None:
+        """(Registry hook, manager-side.) Trajectories appended under ``lease`` in one call, ``{prompt: n}``
+        (work units handed over at once: one save of the prompts still owed, not one per sample)."""
         with self._lock:
-            left = self._units.get(key)
-            if left is None:
-                return  # not a unit's sample (a user's own loop, a requeued payload)
-            if left <= n:
-                del self._units[key]
-                if group not in self._pool and not any(p == group for p, _ in self._units):
-                    self._shares.pop(group, None)  # the prompt is handed over whole
-            else:
-                self._units[key] = left - n
-            self._save()
+            changed = False
+            for group, n in counts.items():
+                key = (group, lease)
+                left = self._units.get(key)
+                if left is None:
+                    continue  # not a unit's sample (a user's own loop, a requeued payload)
+                changed = True
+                if left <= n:
+                    del self._units[key]
+                    if group not in self._pool and not any(p == group for p, _ in self._units):
+                        self._shares.pop(group, None)  # the prompt is handed over whole
+                else:
+                    self._units[key] = left - n
+            if changed:
+                self._save()
 
     def skip(self, lease: str, prompt: int, n: int = 1) -> None:
         """``n`` samples of the caller's unit that will never be handed over (rejected as bad input)."""
@@ -256,13 +299,15 @@ class Coordinator:
             self._learner["done"] = 0
             return None
 
-    def report_learner(self, **fields) -> None:
+    def report_learner(self, **fields) -> dict[str, float]:
+        """The learner's progress (``LEARNER_FIELDS``); returns :meth:`timing`, which it logs with each step."""
         unknown = set(fields) - set(LEARNER_FIELDS)
         if unknown:
             raise ValueError(f"unknown learner fields {sorted(unknown)}; known: {LEARNER_FIELDS}")
         with self._lock:
             self._learner.update(fields)
             self._limiter.set_samples(0, int(self._learner["consumed_groups"]) + int(self._learner["stale_groups"]))
+        return self.timing()
 
     def learner(self) -> dict:
         return dict(self._learner)
@@ -318,7 +363,7 @@ class Coordinator:
 
     def close(self) -> None:
         with self._lock:
-            self._save()
+            self._save(fresh=True)
         self._limiter.unlink()
 
 
@@ -338,5 +383,5 @@ def get_coordinator(name: str, settings: dict | None = None) -> Coordinator:
                 raise KeyError(f"no coordinator named {name!r} in this service")
             registry = get_registry(name)
             coord = _COORDINATORS[name] = Coordinator(**settings, registry=registry)
-            registry.on_append = coord.appended
+            registry.on_append = coord.appended_many
         return coord

@@ -197,14 +197,14 @@ class RateLimiter:
                           stop_event, timeout, None)
 
     def wait_sample(self, n: int, available: Callable[[], int] | None = None, *, stop_event=None,
-                    timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> bool:
+                    timeout: float | None = None, on_wait: Callable[[], object] | None = None) -> bool:
         """Block until ``n`` groups may be sampled; ``on_wait`` runs between checks (the learner publishes
         the groups it retired as stale meanwhile, which frees the collectors). False on stop or timeout."""
         ready = (lambda: self.can_sample(n, available())) if available is not None else (lambda: self.can_sample(n))
         return self._wait(ready, len(self._a) - 1, stop_event, timeout, on_wait)
 
     def _wait(self, ready: Callable[[], bool], slot: int, stop_event, timeout: float | None,
-              on_wait: Callable[[], None] | None) -> bool:
+              on_wait: Callable[[], object] | None) -> bool:
         if ready():
             return True
         start = last = time.perf_counter_ns()

@@ -65,6 +65,27 @@ def test_units_of_a_prompt_go_to_different_collectors_and_a_late_joiner_takes_op
     coord.close()
 
 
+def test_several_units_in_one_take_are_of_different_prompts_shared_with_the_other_collector(tmp_path):
+    coord = Coordinator(4, 2, {"samples_per_insert": 1.0, "error_buffer": 8.0, "min_size_to_sample": 1},
+                        str(tmp_path))
+    a, b = LEASES.grant(), LEASES.grant()
+    coord.join(a), coord.join(b)
+    units = [{"prompt": p, "samples": 2} for p in range(3)]
+    assert coord.take_many(a, 3) == units  # one unit of each of 3 prompts, never two of one
+    assert coord.take_many(b, 3) == units  # the other halves: every group mixes a and b
+    coord.appended_many(a, {0: 2, 1: 2, 2: 2})  # a hands its three units over in one call
+    assert json.loads((tmp_path / "prompts.json").read_text())["todo"] == {"0": 2, "1": 2, "2": 2}
+    alone = LEASES.grant()
+    LEASES.release(b)
+    coord.join(alone)
+    LEASES.release(a)
+    # alone, a collector takes what b owed, then whole prompts (its two units of one prompt merged)
+    assert coord.take_many(alone, 4) == [{"prompt": 0, "samples": 2}, {"prompt": 1, "samples": 2},
+                                         {"prompt": 2, "samples": 2}, {"prompt": 3, "samples": 2}]
+    assert coord.take_many(alone, 3) == [{"prompt": 3, "samples": 2}, {"prompt": 4, "samples": 4}]
+    coord.close()
+
+
 def test_a_dead_collectors_unfinished_units_are_reissued_and_counted(tmp_path):
     coord = Coordinator(4, 2, BAND, str(tmp_path))
     a, b = LEASES.grant(), LEASES.grant()
@@ -202,6 +223,9 @@ def test_serve_with_attached_workers_a_kill_a_late_joiner_over_tcp_and_a_wrong_k
         wrong.write_text("00" * 32)
         refused = subprocess.Popen(CLI + ["collector", "--connect", f"{host}:{port}", "--authkey-file", str(wrong)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        keyless = subprocess.Popen(CLI + ["collector", "--connect", f"{host}:{port}"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True,
+                                   env={k: v for k, v in os.environ.items() if k != "RBPIPE_AUTHKEY"})
         other = subprocess.Popen(CLI + ["collector", "--connect", str(run_dir), "--task",
                                         "rbpipe.demo.task:CopyFirstDigitTask"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -210,6 +234,9 @@ def test_serve_with_attached_workers_a_kill_a_late_joiner_over_tcp_and_a_wrong_k
         assert refused.returncode == 2 and "refused the key" in refused_err, refused_err
         assert len(refused_err.strip().splitlines()) == 1 and "Traceback" not in refused_err
         assert other.returncode == 2 and "differs from the service's" in other_err, other_err
+        _, keyless_err = keyless.communicate(timeout=60)  # HOST:PORT without a key: refused before connecting
+        assert keyless.returncode == 2 and len(keyless_err.strip().splitlines()) == 1, keyless_err
+        assert "RBPIPE_AUTHKEY" in keyless_err and "Traceback" not in keyless_err, keyless_err
 
         # one collector dies mid-run; a new one joins over loopback TCP with the key in the environment
         os.killpg(a.pid, signal.SIGKILL)

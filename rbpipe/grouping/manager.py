@@ -22,6 +22,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
 from rbpipe.procs import die_with_parent, worker_context
+from rbpipe.service_api import COORDINATOR_EXPOSED
 
 if TYPE_CHECKING:
     from rbpipe.rayengine import RayManager  # the same registry/coordinator interface, over Ray actors
@@ -165,9 +166,6 @@ def _get_coordinator(name: str, settings: dict | None = None):
     return get_coordinator(name, settings)
 
 
-#: the service coordinator's remote methods (rbpipe.coordinator.Coordinator.exposed is this tuple)
-COORDINATOR_EXPOSED = ("take", "skip", "count", "join", "release", "claim_learner", "report_learner", "learner",
-                       "status", "endpoint", "set_endpoint", "request_stop", "stop_requested", "timing")
 CoordinatorProxy = MakeProxyType("CoordinatorProxy", COORDINATOR_EXPOSED)
 CoordinatorProxy.__module__ = __name__
 GroupingManager.register("get_coordinator", callable=_get_coordinator, proxytype=CoordinatorProxy,

@@ -190,8 +190,8 @@ class GroupRegistry:
     def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
                  staging: dict | None = None, leases: LeaseTable | None = None) -> None:
         self._options = dict(options)
-        # (manager-side) on_append(group, owner, n): n samples of group were appended in one call
-        self.on_append: Callable[[Any, Any, int], None] | None = None
+        # (manager-side) on_append(owner, {group: n}): the samples of each group appended in one call
+        self.on_append: Callable[[Any, dict[Any, int]], None] | None = None
         self._leases = LEASES if leases is None else leases  # the manager process's one table
         self.staging = dict(staging) if staging else None
         self._quarantine: list[dict] = []
@@ -283,8 +283,7 @@ class GroupRegistry:
             counts: dict[Any, int] = {}
             for group, _, _ in items:
                 counts[group] = counts.get(group, 0) + 1
-            for group, n in counts.items():
-                self.on_append(group, owner, n)
+            self.on_append(owner, counts)
         for result in results:
             result["recovered"] = []
         if results:

@@ -4,7 +4,6 @@ the weights through Ray's object store, and ``RayManager``, which starts or join
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from typing import Any
 
@@ -38,7 +37,7 @@ class CoordinatorHost:
         from rbpipe.coordinator import Coordinator
 
         if name not in self.coordinators:
-            self.coordinators[name] = Coordinator(**settings, registry=_CachedStats(registry))
+            self.coordinators[name] = Coordinator(**settings, registry=registry, stats_cache_s=STATS_CACHE_S)
 
     def has(self, name: str) -> bool:
         return name in self.coordinators
@@ -55,7 +54,7 @@ class CoordinatorHost:
         for name, group, owner, n in events:
             coordinator = self.coordinators.get(name)
             if coordinator is not None:
-                coordinator.appended(group, owner, n)
+                coordinator.appended_many(owner, {group: n})
 
     # leases: granted here, adopted by the shards
     def lease(self) -> str:
@@ -87,21 +86,6 @@ class CoordinatorHost:
             coordinator.close()
 
 
-class _CachedStats:
-    """What the coordinator reads of the registry (dropped groups move the band), at most every
-    :data:`STATS_CACHE_S`: it saves its state on every append and must not fan out to every shard each time."""
-
-    def __init__(self, registry) -> None:
-        self.registry, self._at = registry, -1e9
-        self._stats: dict[str, Any] = {}
-
-    def get_stats(self) -> dict:
-        now = time.monotonic()
-        if now - self._at > STATS_CACHE_S:
-            self._stats, self._at = self.registry.get_stats(), now
-        return self._stats
-
-
 class CoordinatorProxy(_Proxy):
     """The coordinator actor as a ``multiprocess``-style proxy of one service's coordinator."""
 
@@ -110,7 +94,7 @@ class CoordinatorProxy(_Proxy):
 
     @staticmethod
     def _exposed():
-        from rbpipe.grouping.manager import COORDINATOR_EXPOSED
+        from rbpipe.service_api import COORDINATOR_EXPOSED
 
         return COORDINATOR_EXPOSED
 

@@ -196,12 +196,12 @@ class ShardHost:
                     return {"status": "write", **reg._public(claim), "recovered": []}
         return {"status": "queued", "recovered": []}
 
-    def _appended(self, name: str, group, owner, n: int = 1) -> None:
+    def _appended(self, name: str, owner, counts: dict) -> None:
         """Tell the coordinator (work units) about an append: batched, flushed every :data:`NOTIFY_S` by a
         thread of this actor, never waited for. One Ray call per trajectory cost the shard more than its
         grouping decision (a task submission each)."""
         with self._events_lock:
-            self._events.append((name, group, owner, n))
+            self._events.extend((name, group, owner, n) for group, n in counts.items())
             if self._flusher is None:
                 import threading
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from rbpipe.demo.policy import build_learner_actor
 from rbpipe.errors import RbpipeError
 from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
+from rbpipe.loss.batch import row_tensors
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.procs import run_worker
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
@@ -135,14 +135,12 @@ def _train(client: LearnerClient) -> None:
             step += 1
             sampler.consumer_version = step
             client.publish(model, step)
-            client.report(step=step)
-            _publish_progress(client, sampler)
+            collectors_now = _publish_progress(client, sampler, step=step)
             now = time.perf_counter()
             busy_fraction = (trained_at - busy_start) / max(now - last_end, 1e-9)
             last_end = now
             reward = rows.get(REWARD_KEY).float()
             trained = _group_fingerprints(rows)
-            collectors_now = client.collectors_timing()
             spent = {k: collectors_now[k] - collectors_mark[k] for k in collectors_now}
             collectors_mark = collectors_now
             record: dict[str, Any]
@@ -187,26 +185,27 @@ def truncate_metrics(path: Path, step: int) -> None:
         if record.get("step", 0) <= step and line.endswith("\n"):
             keep.append(line)
     if len(keep) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
+        atomic_write(path, "".join(keep), fsync=False)
 
 
-def _publish_progress(client: LearnerClient, sampler: FreshGroupSampler) -> None:
-    """What the rate limit (the collectors' flow control) and the service's summary read."""
-    client.report(consumed_groups=sampler.consumed_groups, stale_groups=sampler.stale_groups,
-                  stale_trajectories=sampler.stale_trajectories)
+def _publish_progress(client: LearnerClient, sampler: FreshGroupSampler, **fields: Any) -> dict[str, float]:
+    """What the rate limit (the collectors' flow control) and the service's summary read; returns the
+    collectors' timing so far (one round trip per step for both)."""
+    return client.report(consumed_groups=sampler.consumed_groups, stale_groups=sampler.stale_groups,
+                         stale_trajectories=sampler.stale_trajectories, **fields)
 
 
 def _group_fingerprints(rows) -> list[list[int]]:
     """``[group_id, members, token checksum]`` per sampled group: lets tests check the learner read
     exactly the rows the collectors wrote."""
+    gids = rows.get(GROUP_KEY).reshape(len(rows), -1)[:, 0].tolist()
+    sums = [int(p.sum()) + 3 * int(r.sum()) for p, r in zip(row_tensors(rows, PROMPT_TOKENS_KEY),
+                                                              row_tensors(rows, RESPONSE_TOKENS_KEY), strict=True)]
     out: dict[int, list[int]] = {}
-    for row in rows.unbind(0):
-        gid = int(row.get(GROUP_KEY).reshape(-1)[0])
-        entry = out.setdefault(gid, [gid, 0, 0])
+    for gid, checksum in zip(gids, sums, strict=True):
+        entry = out.setdefault(int(gid), [int(gid), 0, 0])
         entry[1] += 1
-        entry[2] += int(row.get(PROMPT_TOKENS_KEY).sum()) + 3 * int(row.get(RESPONSE_TOKENS_KEY).sum())
+        entry[2] += checksum
     return list(out.values())
 
 

@@ -34,6 +34,7 @@ from rbpipe.errors import BadTrajectoryError, ConfigError, StoreError
 from rbpipe.grouping import SharedMCAdvantage, bridged_reduce, connect_manager, start_manager
 from rbpipe.grouping.bridge import spawning
 from rbpipe.schema import GROUP_KEY
+from rbpipe.storage.collate import collate_identity
 from rbpipe.storage.protocol import is_group_store
 
 __all__ = ["GroupReplayBuffer", "GroupWriteError", "make_replay_buffer", "allocate_storage", "start_manager",
@@ -202,10 +203,6 @@ def _check_fits(traj, layout: dict) -> None:
                                  "a torchrl tensor storage keeps one layout): " + "; ".join(problems[:4]))
 
 
-def _identity(x):
-    return x
-
-
 def allocate_storage(storage, example) -> None:
     """Allocate a lazy torchrl tensor storage from one example row, in the parent, before writers start."""
     if getattr(storage, "initialized", True):
@@ -241,7 +238,7 @@ def make_replay_buffer(storage, *, grouping: str = "rbpipe", grpo_size: int, man
 
         writer = GroupWriter()
     if collate_fn is None and group_store:
-        collate_fn = _identity  # group storages return ready TensorDicts
+        collate_fn = collate_identity  # group storages return ready TensorDicts
     extra = {k: v for k, v in dict(sampler=sampler, batch_size=batch_size, writer=writer,
                                    collate_fn=collate_fn).items() if v is not None}
     if grouping == "rbpipe":

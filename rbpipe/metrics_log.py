@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError
+from rbpipe.fsutil import atomic_write
 
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 LOG_DIR = "logs"
@@ -76,9 +77,7 @@ def truncate_csv_logs(root: Path, step: int) -> None:
         lines = f.read_text().splitlines(keepends=True)
         keep = [ln for ln in lines if ln.endswith("\n") and (s := _csv_step(ln)) is not None and s <= step]
         if len(keep) != len(lines):
-            tmp = f.with_name(f.name + ".tmp")
-            tmp.write_text("".join(keep))
-            os.replace(tmp, f)
+            atomic_write(f, "".join(keep), fsync=False)
 
 
 def _csv_step(line: str) -> int | None:

@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+try:
+    import tomllib  # Python 3.11+
+except ImportError:  # Python 3.10 (supported): pip vendors the same parser; never a skip
+    from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
 
 
 def _setuptools() -> dict:

@@ -18,6 +18,7 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.errors import StaleReadError
 from rbpipe.schema import VERSION_KEY
+from rbpipe.storage.protocol import is_group_store
 
 REDRAWS = 8  # draws tried when the drawn groups keep being evicted before they are read
 
@@ -109,7 +110,7 @@ class FreshGroupSampler(Sampler):
             chosen = self._draw(storage)
             index = torch.cat([torch.arange(int(s), int(e)) for _, s, e in chosen.tolist()])
             try:
-                if hasattr(storage, "hold"):
+                if is_group_store(storage) and storage.holds_reads:
                     storage.hold(index)
             except StaleReadError:
                 continue  # nothing was consumed yet

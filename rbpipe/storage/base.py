@@ -25,7 +25,7 @@ from rbpipe.errors import SchemaError, StaleReadError, StoreError
 from rbpipe.schema import ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage.backend import Backend, write_error
 from rbpipe.storage.collate import register_default_collate
-from rbpipe.storage.columns import Schema, from_storage_np, key_tuple, take_ragged
+from rbpipe.storage.columns import NestedKey, Schema, from_storage_np, key_tuple, take_ragged
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict
 from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
@@ -34,7 +34,6 @@ from rbpipe.storage.ledger import Ledger
 if TYPE_CHECKING:
     from rbpipe.storage.catalog import CatalogBuffer
 
-NestedKey = Any
 UNBOUNDED = torch.iinfo(torch.int64).max
 
 DEFAULT_CATALOG_COLUMNS: dict[str, tuple[NestedKey, str]] = {
@@ -56,6 +55,8 @@ class GroupStorage(Storage):
     accepts_jagged = True
     #: ``append_group`` takes ``commit_id``/``member_ids`` (idempotent recovery writes)
     idempotent_commits = True
+    #: ``hold(index)`` opens what a read of ``index`` needs (the sampler draws again on StaleReadError)
+    holds_reads = True
 
     def __init__(self, path: str | os.PathLike, *, max_size: int | None = None, max_bytes: int | None = None,
                  ragged_keys: Sequence[NestedKey] = (), group_key: NestedKey = GROUP_KEY,

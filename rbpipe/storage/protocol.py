@@ -12,6 +12,9 @@ by the store, as class attributes, and checked in one place (:func:`is_group_sto
 * ``accepts_jagged``: ``td`` may hold members of varying lengths as one TensorDict of ``[n, j]`` jagged
   leaves (``rbpipe.members``), which such a store writes as cheaply as dense ones.
 * ``idempotent_commits``: ``append_group`` honours ``commit_id``/``member_ids``.
+* ``holds_reads``: ``hold(index)`` opens every file a later ``get(index)`` reads (raising
+  :class:`~rbpipe.errors.StaleReadError` when the rows were evicted), so that a sampler can draw again
+  instead of handing out rows an evictor may delete before the read.
 
 Any torchrl ``Storage`` that is not a ``GroupStore`` is written row range by row range (the grouping
 reserves the rows). ``GroupStorage`` (Arrow, Zarr) implements the protocol.
@@ -30,11 +33,14 @@ class GroupStore(Protocol):
 
     accepts_jagged: bool
     idempotent_commits: bool
+    holds_reads: bool
 
     def append_group(self, td: Any, *, commit_id: str | None = None,
                      member_ids: list[str] | None = None) -> torch.Tensor: ...
 
     def committed_member_ids(self) -> set[str]: ...
+
+    def hold(self, index: torch.Tensor) -> None: ...
 
 
 def is_group_store(storage: Any) -> bool:

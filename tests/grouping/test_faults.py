@@ -91,6 +91,7 @@ def test_pending_queues_survive_a_restart(grouping_manager):
     ref = MCAdvantage(prompt_key="group_id", **opts)
     want = [groups_of(ref.inv(traj(u, g, r))) for u, g, r in stream + [(4, 7, [1.0])]]
     assert groups_of(out) == want[-1] != []
+    assert resumed.get_stats()["completed_trajectories"] == 5  # the 4 requeued count once, with the new one
 
 
 @pytest.mark.timeout(120)

@@ -502,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rbpipe {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `rbpipe inspect STORE | head`: the reader had enough; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
 
 
 if __name__ == "__main__":

@@ -96,3 +96,17 @@ def test_the_cli_shows_every_advantage_of_an_eight_member_group(tmp_path, capsys
     for g in inspect_store(tmp_path / "s")["groups"]:
         assert len(g["advantages"]) == 8
         assert all(f"{a:+.2f}" in out for a in g["advantages"])
+
+
+def test_inspect_piped_into_head_ends_quietly(tmp_path):
+    """``rbpipe inspect STORE | head``: the reader leaves early; no BrokenPipeError traceback, exit code 0."""
+    _make_store(tmp_path / "s", 1000)  # far more output than a pipe buffers
+    out = subprocess.run(f"{sys.executable} -m rbpipe.cli inspect {tmp_path / 's'} --limit 0 | head -n 1",
+                         shell=True, capture_output=True, text=True, timeout=120,
+                         executable="/bin/bash")  # (head's status is the pipeline's; check rbpipe's via PIPESTATUS)
+    assert len(out.stdout.splitlines()) == 1
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+    status = subprocess.run(f"{sys.executable} -m rbpipe.cli inspect {tmp_path / 's'} --limit 0 | head -n 1 "
+                            f">/dev/null; echo ${{PIPESTATUS[0]}}", shell=True, capture_output=True, text=True,
+                            timeout=120, executable="/bin/bash")
+    assert status.stdout.strip() == "0", status.stderr

@@ -154,9 +154,10 @@ def group_ids(run_dir: Path) -> set[int]:
 
 
 def check_groups(run_dir: Path) -> None:
-    """Every stored group whole and correctly normalised. Known, pre-existing race (not an orphan): a collector
-    SIGKILLed after handing over a prompt's last member but before saving its prompt cursor samples that
-    prompt again after the resume, so at most one group id per SIGKILL may be stored twice."""
+    """Every stored group whole and correctly normalised. Known race (nothing lost, nothing torn): a run killed
+    between a collector staging a work unit and the service recording it as handed over (``prompts.json``)
+    resumes with those samples both requeued from staging and owed again, so the extra samples form a second
+    group of that prompt: at most one group id per kill may be stored twice."""
     from rbpipe.storage import inspect_store
 
     groups = inspect_store(run_dir / "store", limit=None)["groups"]

@@ -129,9 +129,10 @@ def test_registry_shard_killed_and_restarted_by_ray(ray_cluster, tmp_path):
         _wait_for(lambda: _try_pid(shard) not in (None, pid), 60, proc)  # Ray brought it back
         assert ray.get(shard.__ray_call__.remote(lambda self: self.replayed)) > 0
 
-    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=6), run_dir, 1, "endpoint.json",
+    # 30 steps: the run must outlive the shard's restart (it is killed after the first step)
+    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=30), run_dir, 1, "endpoint.json",
                               kill_shard)
-    _check_summary(summary, 6)
+    _check_summary(summary, 30)
     assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0
     assert not list(run_dir.glob("*shards"))  # the shards' logs go with the service
     check_store(run_dir, summary)

@@ -6,18 +6,22 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from ray_helpers import check_store, ray_env, ray_run_cmd
+
+STEPS = 150
 
 
 @pytest.fixture(scope="module")
 def cluster_run(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
     cluster, _ = ray_cluster
     run_dir = tmp_path_factory.mktemp("ray") / "run"
-    out = subprocess.run(ray_run_cmd(cluster.address, run_dir), capture_output=True, text=True, timeout=240,
-                         env=ray_env())
+    # the default recipe (groups of 8, 8 a step), long enough to see the reward rise as the local engine's do
+    out = subprocess.run(ray_run_cmd(cluster.address, run_dir, "--grpo-size", "8", "--groups-per-step", "8",
+                                     "--lr", "0.002", steps=STEPS), capture_output=True, text=True, timeout=280, env=ray_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run_dir, json.loads(out.stdout)
 
@@ -27,10 +31,10 @@ def test_summary_conservation_and_learner_steps(cluster_run):
     run_dir, summary = cluster_run
     assert summary["status"] == "done" and summary["engine"] == "ray" and summary["grouping_shards"] == 2
     assert summary["conservation_ok"] is True
-    assert summary["learner_steps"] == 6
+    assert summary["learner_steps"] == STEPS
     assert summary["produced"] == (summary["written"] + summary["dropped"] + summary["unselected"]
                                    + summary["queued"] + summary["rejected"])
-    assert summary["written"] == summary["groups_written"] * 4
+    assert summary["written"] == summary["groups_written"] * 8
 
 
 @pytest.mark.timeout(300)
@@ -129,3 +133,33 @@ def test_serve_on_ray_with_workers_attached_from_shells(ray_cluster, tmp_path):
                 p.kill()
     summary = json.loads(out)
     assert summary["status"] == "done" and summary["learner_steps"] == 3 and summary["conservation_ok"]
+
+
+@pytest.mark.timeout(300)
+def test_the_learner_trains_on_exactly_the_stored_rows_and_its_reward_rises(cluster_run):
+    import torch
+
+    from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY
+    from rbpipe.storage import open_storage
+
+    run_dir, summary = cluster_run
+    storage = open_storage(run_dir / "store")
+    rows = storage.get(torch.arange(len(storage)))
+    stored: dict[int, list[int]] = {}
+    for row in rows.unbind(0):
+        gid = int(row.get(GROUP_KEY).reshape(-1)[0])
+        entry = stored.setdefault(gid, [gid, 0, 0])
+        entry[1] += 1
+        entry[2] += int(row.get(PROMPT_TOKENS_KEY).sum()) + 3 * int(row.get(RESPONSE_TOKENS_KEY).sum())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [g for r in records for g in r["trained_groups"]]
+    assert len({g[0] for g in trained}) == len(trained) == 8 * STEPS, "a group was trained on twice or skipped"
+    for gid, members, checksum in trained:
+        assert stored[gid] == [gid, members, checksum]
+    catalogued = subprocess.run([sys.executable, "-m", "rbpipe.cli", "query", str(run_dir / "store"),
+                                 "select cast(sum(members) as bigint) as n from groups", "--json"], capture_output=True, text=True,
+                                timeout=120)
+    assert json.loads(catalogued.stdout)["rows"] == [{"n": summary["written"]}]
+    rewards = [r["reward_mean"] for r in records]
+    third = len(rewards) // 3
+    assert sum(rewards[-third:]) / third > sum(rewards[:third]) / third + 0.05, rewards

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torchrl.data import ReplayBuffer
+from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
 
 from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
@@ -87,8 +88,10 @@ def _train(client: LearnerClient) -> None:
     loss_module = make_loss(actor, loss_cfg, ref_actor=ref_actor, old_from_current=not recompute_old)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sampler = FreshGroupSampler(num_groups=cfg.groups_per_step, max_staleness=cfg.max_policy_lag)
-    buffer = ReplayBuffer(storage=storage, sampler=sampler, batch_size=cfg.groups_per_step * cfg.grpo_size,
-                          collate_fn=collate_identity)
+    # read-only: the learner never writes through this buffer (and torchrl's default writer would hold a
+    # multiprocessing.Value, a named semaphore that leaks in /dev/shm when a Ray actor is killed)
+    buffer = ReplayBuffer(storage=storage, sampler=sampler, writer=ImmutableDatasetWriter(),
+                          batch_size=cfg.groups_per_step * cfg.grpo_size, collate_fn=collate_identity)
     step = 0
     state = load_checkpoint(run_dir)
     if state is not None:  # resume: weights, optimizer, step, policy version, sampler position

@@ -65,7 +65,10 @@ class GroupStorage(Storage):
                  ragged_layout: str | None = None) -> None:
         if max_size is not None and max_size < 1:
             raise StoreError(f"max_size must be a positive number of rows or None, got {max_size}")
-        super().__init__(max_size=UNBOUNDED if max_size is None else max_size)
+        # compilable: torchrl's revision and cursor counters as plain tensors, not ``multiprocessing.Value``s.
+        # Every process opens the store itself (pickling reopens it by path), so nothing is shared through
+        # them, and each Value is a named semaphore that leaks in /dev/shm when its process is killed
+        super().__init__(max_size=UNBOUNDED if max_size is None else max_size, compilable=True)
         self._init_args = dict(max_size=max_size, max_bytes=max_bytes,
                                ragged_keys=[list(key_tuple(k)) for k in ragged_keys], group_key=group_key,
                                catalog_columns=None if catalog_columns is None else

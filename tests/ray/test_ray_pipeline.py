@@ -4,6 +4,7 @@ head, grouping over 2 shard actors; then the run's summary, placement and store 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,11 @@ import pytest
 from ray_helpers import check_store, ray_env, ray_run_cmd
 
 STEPS = 150
+LEFT_BEHIND: list[str] = []  # named semaphores the run left in /dev/shm
+
+
+def _semaphores() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("sem.")}
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +26,11 @@ def cluster_run(ray_cluster, tmp_path_factory) -> tuple[Path, dict]:
     cluster, _ = ray_cluster
     run_dir = tmp_path_factory.mktemp("ray") / "run"
     # the default recipe (groups of 8, 8 a step), long enough to see the reward rise as the local engine's do
-    out = subprocess.run(ray_run_cmd(cluster.address, run_dir, "--grpo-size", "8", "--groups-per-step", "8",
-                                     "--lr", "0.002", steps=STEPS), capture_output=True, text=True, timeout=280, env=ray_env())
+    cmd = ray_run_cmd(cluster.address, run_dir, "--grpo-size", "8", "--groups-per-step", "8", "--lr", "0.002",
+                      steps=STEPS)
+    before = _semaphores()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=ray_env())
+    LEFT_BEHIND.extend(sorted(_semaphores() - before))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run_dir, json.loads(out.stdout)
 
@@ -156,10 +165,16 @@ def test_the_learner_trains_on_exactly_the_stored_rows_and_its_reward_rises(clus
     assert len({g[0] for g in trained}) == len(trained) == 8 * STEPS, "a group was trained on twice or skipped"
     for gid, members, checksum in trained:
         assert stored[gid] == [gid, members, checksum]
-    catalogued = subprocess.run([sys.executable, "-m", "rbpipe.cli", "query", str(run_dir / "store"),
-                                 "select cast(sum(members) as bigint) as n from groups", "--json"], capture_output=True, text=True,
-                                timeout=120)
+    sql = "select cast(sum(members) as bigint) as n from groups"
+    catalogued = subprocess.run([sys.executable, "-m", "rbpipe.cli", "query", str(run_dir / "store"), sql, "--json"],
+                                capture_output=True, text=True, timeout=120)
     assert json.loads(catalogued.stdout)["rows"] == [{"n": summary["written"]}]
     rewards = [r["reward_mean"] for r in records]
     third = len(rewards) // 3
     assert sum(rewards[-third:]) / third > sum(rewards[:third]) / third + 0.05, rewards
+
+
+@pytest.mark.timeout(60)
+def test_the_run_leaves_no_named_semaphore_behind(cluster_run):
+    """Ray kills its worker actors at the end: anything they held as a named semaphore would stay in /dev/shm."""
+    assert LEFT_BEHIND == []

@@ -43,3 +43,20 @@ def test_callers_ask_the_protocol_not_hasattr_or_signatures(path):
         if isinstance(node, ast.Attribute) and node.attr == "signature":
             sniffing.append(ast.unparse(node))
     assert not sniffing, f"{path}: {sniffing}"
+
+
+def test_opening_a_store_creates_no_named_semaphore(tmp_path):
+    """A killed process cannot unlink a named semaphore: a store (opened by every worker) must hold none, or each
+    SIGKILLed worker and Ray actor leaves ``/dev/shm/sem.mp-*`` files behind (torchrl's storage counters are
+    ``multiprocessing.Value``s unless the storage is built ``compilable``)."""
+    import subprocess
+    import sys
+
+    code = ("import os; sems = lambda: {f for f in os.listdir('/dev/shm') if f.startswith('sem.')}; before = sems()\n"
+            "from rbpipe.storage import ArrowStorage, ZarrStorage\n"
+            f"stores = [ArrowStorage({str(tmp_path / 'a')!r}), ZarrStorage({str(tmp_path / 'z')!r})]\n"
+            "[len(s) for s in stores]\n"
+            "print(sorted(sems() - before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

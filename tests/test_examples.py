@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_serve_connect import CLI, _kill, _start, _wait
+from tests.test_serve_connect import CLI, _finish, _kill_leftovers, _start, _wait
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -47,13 +47,9 @@ def test_a_custom_collector_loop_and_a_learner_only_process_run_as_documented(tm
         procs += [mine, theirs, learner]
         out, _ = serve.communicate(timeout=240)  # the service stops once the learner made its 8 steps
         assert serve.returncode == 0, out[-3000:]
-        for p in (mine, theirs, learner):
-            text, _ = p.communicate(timeout=60)
-            assert p.returncode == 0, text[-2000:]
+        _finish((mine, theirs, learner))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
+        _kill_leftovers(procs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["learner_steps"] == 8 and summary["conservation_ok"], summary
     assert summary["written"] > 0

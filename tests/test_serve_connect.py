@@ -156,6 +156,19 @@ def _kill(proc: subprocess.Popen) -> str:
     return out or ""
 
 
+def _finish(workers, timeout: float = 60) -> None:
+    """Attached workers end by themselves once the service asks them to: each with exit code 0."""
+    for w in workers:
+        out, _ = w.communicate(timeout=timeout)
+        assert w.returncode == 0, (out or "")[-2000:]
+
+
+def _kill_leftovers(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _kill(p)
+
+
 def _steps(run_dir: Path) -> int:
     try:
         return len((run_dir / "metrics.jsonl").read_text().splitlines())
@@ -251,13 +264,9 @@ def test_serve_with_attached_workers_a_kill_a_late_joiner_over_tcp_and_a_wrong_k
 
         summary = json.loads(_stop(serve))
         assert serve.returncode == 0
-        for w in (b, c, learner):  # attached workers finish when the service asks them to
-            out, _ = w.communicate(timeout=60)
-            assert w.returncode == 0, out[-2000:]
+        _finish((b, c, learner))  # attached workers finish when the service asks them to
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
+        _kill_leftovers(procs)
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     assert summary["status"] == "stopped" and summary["learner_steps"] >= 150
     assert summary["conservation_ok"], summary
@@ -293,13 +302,9 @@ def test_serve_steps_n_stops_after_the_learners_n_steps_and_writes_the_summary(t
         procs += [_start(["collector", "--connect", str(run_dir)]), _start(["learner", "--connect", str(run_dir)])]
         out, _ = serve.communicate(timeout=240)
         assert serve.returncode == 0, out[-3000:]
-        for w in procs[1:]:
-            w.communicate(timeout=60)
-            assert w.returncode == 0
+        _finish(procs[1:])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
+        _kill_leftovers(procs)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "done" and summary["learner_steps"] == 3 and summary["conservation_ok"]
     for key in ("produced", "written", "dropped", "unselected", "queued", "groups_written", "reward_first20",

@@ -59,7 +59,7 @@ def _run_with_fault(cmd: list[str], run_dir: Path, after_steps: int, ready: str,
 
 def _check_summary(summary: dict, steps: int) -> None:
     assert summary["status"] == "done" and summary["learner_steps"] == steps
-    assert summary["conservation_ok"] is True, summary["session"]
+    assert summary["conservation_ok"] is True, (summary["session"], summary["grouping_stats"], summary["restarts"])
     # only the call the killed collector was handing over (one work unit)
     assert summary["session"]["lost_in_flight"] <= summary["session"]["largest_handover"]
 

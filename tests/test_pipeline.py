@@ -89,11 +89,13 @@ def test_stored_groups_are_whole_cross_writer_and_correctly_normalised(short_run
 
 
 @pytest.mark.timeout(300)
-def test_learner_read_exactly_the_rows_the_collectors_wrote(short_run):
+def check_trained_rows(run_dir: Path, groups: int) -> None:
+    """The learner trained on exactly the rows the collectors stored: its per-group fingerprints in
+    ``metrics.jsonl`` (``trained_groups``) against ones computed here, row by row, from the store."""
     from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY
     from rbpipe.storage import open_storage
 
-    storage = open_storage(short_run / "store")
+    storage = open_storage(run_dir / "store")
     stored: dict[int, list[int]] = {}
     rows = storage.get(torch.arange(len(storage)))
     for row in rows.unbind(0):
@@ -101,12 +103,16 @@ def test_learner_read_exactly_the_rows_the_collectors_wrote(short_run):
         entry = stored.setdefault(gid, [gid, 0, 0])
         entry[1] += 1
         entry[2] += int(row.get(PROMPT_TOKENS_KEY).sum()) + 3 * int(row.get(RESPONSE_TOKENS_KEY).sum())
-    trained = [g for line in (short_run / "metrics.jsonl").read_text().splitlines()
+    trained = [g for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                for g in json.loads(line)["trained_groups"]]
-    assert len(trained) == 8 * 2
+    assert len(trained) == groups
     assert len({g[0] for g in trained}) == len(trained), "a group was trained on twice"
     for gid, members, checksum in trained:
         assert stored[gid] == [gid, members, checksum]
+
+
+def test_learner_read_exactly_the_rows_the_collectors_wrote(short_run):
+    check_trained_rows(short_run, groups=8 * 2)
 
 
 @pytest.mark.timeout(300)

@@ -146,25 +146,11 @@ def test_serve_on_ray_with_workers_attached_from_shells(ray_cluster, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_the_learner_trains_on_exactly_the_stored_rows_and_its_reward_rises(cluster_run):
-    import torch
-
-    from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY
-    from rbpipe.storage import open_storage
+    from tests.test_pipeline import check_trained_rows
 
     run_dir, summary = cluster_run
-    storage = open_storage(run_dir / "store")
-    rows = storage.get(torch.arange(len(storage)))
-    stored: dict[int, list[int]] = {}
-    for row in rows.unbind(0):
-        gid = int(row.get(GROUP_KEY).reshape(-1)[0])
-        entry = stored.setdefault(gid, [gid, 0, 0])
-        entry[1] += 1
-        entry[2] += int(row.get(PROMPT_TOKENS_KEY).sum()) + 3 * int(row.get(RESPONSE_TOKENS_KEY).sum())
+    check_trained_rows(run_dir, groups=8 * STEPS)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    trained = [g for r in records for g in r["trained_groups"]]
-    assert len({g[0] for g in trained}) == len(trained) == 8 * STEPS, "a group was trained on twice or skipped"
-    for gid, members, checksum in trained:
-        assert stored[gid] == [gid, members, checksum]
     sql = "select cast(sum(members) as bigint) as n from groups"
     catalogued = subprocess.run([sys.executable, "-m", "rbpipe.cli", "query", str(run_dir / "store"), sql, "--json"],
                                 capture_output=True, text=True, timeout=120)

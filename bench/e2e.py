@@ -9,11 +9,16 @@ ours     ``rbpipe run`` (2 collectors + learner, shared grouping, Arrow store), 
 Per seed, both sides in turn; prints medians and ``ratio_wall`` = median rbpipe time / median one-process time
 (goal <= 0.8: the pipeline overlaps generation with training) and ``learner_busy`` (the pipeline learner's
 mean busy fraction, median over seeds). ``--quick``: one seed, target 0.5.
+
+``--lag-sweep 0,1,2``: the one-process loop alone, fed groups sampled by the policy of K steps before: the steps
+that policy lag costs with nothing else changed (what ``--max-lead-groups``'s default is chosen from).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
 import json
 import statistics
 import tempfile
@@ -31,10 +36,14 @@ from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
 from rbpipe.schema import GROUP_KEY, REWARD_KEY, make_trajectory
 
 
-def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
+def ceiling(cfg: RunConfig, target: float, max_steps: int, lag: int = 0) -> dict:
+    """The one-process loop. ``lag``: generate with the policy of ``lag`` steps before (what a pipeline's learner
+    trains on), to measure what policy lag costs in steps with nothing else changed."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.policy)
+    sampler_model = copy.deepcopy(model) if lag else model
+    past = collections.deque([copy.deepcopy(model.state_dict())], maxlen=lag + 1)
     actor = build_learner_actor(model)
     loss_module = make_loss(actor, LossConfig(**cfg.loss), old_from_current=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -43,22 +52,26 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     t0, index, recent = time.time(), 0, []
     for step in range(1, max_steps + 1):
+        if lag:
+            sampler_model.load_state_dict(past[0])  # the policy of `lag` steps before (the first one, early on)
         groups = []
         while len(groups) < cfg.groups_per_step:  # every prompt still needed in one batch (as collectors do)
             prompts = [task.prompt(index + i) for i in range(cfg.groups_per_step - len(groups))]
-            samples = sample_batch(model, prompts, [cfg.grpo_size] * len(prompts), max_new_tokens=cfg.max_new_tokens,
-                                   temperature=cfg.temperature, generator=gen)
+            samples = sample_batch(sampler_model, prompts, [cfg.grpo_size] * len(prompts),
+                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, generator=gen)
             for prompt, (tokens, log_probs) in zip(prompts, samples, strict=True):
                 for response, lp in zip(tokens, log_probs, strict=True):
                     out = grouping.inv(make_trajectory(group_id=index, prompt=prompt, response=response,
                                                        rollout_log_probs=lp, reward=task.reward(prompt, response),
-                                                       collector_id=0, policy_version=step - 1))
+                                                       collector_id=0, policy_version=max(0, step - 1 - lag)))
                     if out is not None:
                         groups.append(out)
                 index += 1
         rows = lazy_stack([row for g in groups for row in g.unbind(0)])
         batch = build_loss_batch(rows, actor=actor, recompute_old=False)
         train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
+        if lag:
+            past.append(copy.deepcopy(model.state_dict()))
         recent = (recent + [float(rows.get(REWARD_KEY).float().mean())])[-10:]
         if len(recent) == 10 and sum(recent) / 10 >= target:
             return {"seconds": time.time() - t0, "steps": step, "reached": True}
@@ -83,13 +96,32 @@ def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
 
 def import_pipeline() -> None:
     """The pipeline's imports, done before any timing as the one-process side's are (at this module's top): the
-    fork server every rbpipe process starts from imports torch, torchrl and transformers once; a no-op worker
-    waits until it has. Without this the first seed alone would pay them (later ones reuse the server)."""
+    launcher's own (about a second), and the fork server's that every rbpipe process starts from (torch,
+    torchrl, transformers, once; a no-op worker waits until it has). Without this the first seed alone would
+    pay them (later ones reuse both)."""
+    import rbpipe.workers.launcher  # noqa: F401 - imported for its import time
+
     from rbpipe.procs import worker_context
 
     worker = worker_context().Process(target=time.sleep, args=(0,))
     worker.start()
     worker.join()
+
+
+def lag_sweep(lags: list[int], seeds: range, target: float, max_steps: int, *, as_json: bool) -> None:
+    rows = []
+    for lag in lags:
+        runs = [ceiling(RunConfig(seed=seed), target, max_steps, lag=lag) for seed in seeds]
+        rows.append({"lag": lag, "steps": [r["steps"] for r in runs], "reached": sum(r["reached"] for r in runs),
+                     "median_steps": statistics.median(r["steps"] for r in runs)})
+    if as_json:
+        print(json.dumps({"target": target, "seeds": len(seeds), "lags": rows}))
+        return
+    base = rows[0]["median_steps"]
+    print(f"one-process loop, steps to mean reward {target} (10-step average), {len(seeds)} seeds")
+    for row in rows:
+        print(f"  policy lag {row['lag']}: median {row['median_steps']:.0f} steps ({row['median_steps'] / base:.2f}x "
+              f"lag {rows[0]['lag']}), runs {row['steps']}, reached {row['reached']}/{len(seeds)}")
 
 
 def main() -> None:
@@ -99,7 +131,14 @@ def main() -> None:
     parser.add_argument("--target", type=float)
     parser.add_argument("--seeds", type=int, help="seeds per side (default 3; 1 with --quick)")
     parser.add_argument("--max-steps", type=int, default=RunConfig.steps)
+    parser.add_argument("--lag-sweep", metavar="K,K,...",
+                        help="instead: the one-process loop alone, fed groups from the policy K steps before, for "
+                             "each K (what policy lag costs in steps; 5 seeds unless --seeds)")
     args = parser.parse_args()
+    if args.lag_sweep:
+        lag_sweep([int(k) for k in args.lag_sweep.split(",")], range(args.seeds or 5), args.target or 0.9,
+                  args.max_steps, as_json=args.json)
+        return
     target = args.target or (0.5 if args.quick else 0.9)
     seeds = range(args.seeds or (1 if args.quick else 3))
     base, ours = [], []

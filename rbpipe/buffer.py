@@ -3,7 +3,8 @@
 ``grouping="rbpipe"``: ``extend``/``add`` run :class:`~rbpipe.grouping.SharedMCAdvantage`; each completed
 group is written by the writer that completed it, outside any lock (``storage.append_group`` with the
 claim id as commit id where the storage has it, e.g. ``ArrowStorage``; for torchrl tensor storages into a
-row range reserved by the manager), then confirmed. No lock lives in the buffer, so it pickles into
+row range reserved by the manager), then confirmed (the groups of one call in one round trip). No lock lives in
+the buffer, so it pickles into
 ``multiprocess`` spawn children.
 
 ``grouping="torchrl"``: torchrl's stock shared ``MCAdvantage`` (stdlib manager, one RLock) behind the stock
@@ -80,33 +81,37 @@ class GroupReplayBuffer(ReplayBuffer):
     def extend(self, data, *, update_priority=None) -> torch.Tensor:
         if self.grouping != "rbpipe":
             return super().extend(data, update_priority=update_priority)
-        indices, failed = [], []
-        for claim in self.grouping_transform.process(data, self._fit_check()):
-            index = self._write_or_quarantine(claim)
-            if index is None and not claim.recovered:
-                failed.append(claim)
-            elif index is not None:
-                indices.append(index)
+        outcomes = self._write_all(self.grouping_transform.process(data, self._fit_check()))
+        failed = [claim for claim, index in outcomes if index is None and not claim.recovered]
         if failed:
             raise GroupWriteError(f"{len(failed)} group(s) completed here could not be written and were "
                                   f"quarantined (e.g. group {failed[0].group!r}): {failed[0].error}. See "
                                   "transform.quarantined()") from failed[0].error
+        indices = [index for _, index in outcomes if index is not None]
         if not indices:
             return torch.zeros((0,), dtype=torch.long)
         return torch.cat(indices)
 
-    def _write_or_quarantine(self, claim) -> torch.Tensor | None:
-        """Write and confirm ``claim``; a write that fails quarantines it (None). A dead manager is not the
-        group's fault: ``ManagerDiedError`` from the confirm propagates."""
+    def _write_all(self, claims) -> list[tuple[Any, torch.Tensor | None]]:
+        """Write each claim (quarantining one that fails: index None), then confirm the written ones in one round
+        trip to the manager, also when a later claim raised."""
+        outcomes: list[tuple[Any, torch.Tensor | None]] = []
         try:
-            index = self._write_claim(claim, confirm=False)
+            for claim in claims:
+                outcomes.append((claim, self._write_or_quarantine(claim)))
+        finally:
+            self.grouping_transform.confirm_many([claim for claim, index in outcomes if index is not None])
+        return outcomes
+
+    def _write_or_quarantine(self, claim) -> torch.Tensor | None:
+        """Write ``claim`` (the caller confirms it); a write that fails quarantines it (None)."""
+        try:
+            return self._write_claim(claim)
         except Exception as err:  # noqa: BLE001 - whatever it is, the group must not be handed on
             claim.error = err
             self._blank_rows(claim)
             self.grouping_transform.quarantine(claim, err, warn=claim.recovered)  # an own group raises instead
             return None
-        self.grouping_transform.confirm(claim)
-        return index
 
     def _blank_rows(self, claim) -> None:
         """A write into reserved rows failed after the trajectories passed :meth:`_fit_check` (rare: the storage
@@ -140,8 +145,16 @@ class GroupReplayBuffer(ReplayBuffer):
         claims, requeued, torn = self.grouping_transform.requeue_staged(skip=committed)
         for claim in claims:
             claim.recovered = True  # a previous session's group: quarantined with a warning if it fails
-            self._write_or_quarantine(claim)
+        self._write_all(claims)
         return requeued, torn
+
+    def confirm_stored(self) -> int:
+        """Confirm the groups that writers stored and were killed before confirming (see
+        :meth:`SharedMCAdvantage.confirm_stored`): the service does it once its workers are gone, so the run's
+        summary counts them as written, not queued. Stores without commit ids (torchrl's) have none."""
+        if self.grouping != "rbpipe" or not is_group_store(self._storage):
+            return 0
+        return self.grouping_transform.confirm_stored(self._storage.committed_member_ids())
 
     def add(self, data) -> torch.Tensor:
         if self.grouping != "rbpipe":
@@ -150,10 +163,10 @@ class GroupReplayBuffer(ReplayBuffer):
 
     def recover(self, *, force: bool = False) -> int:
         """Write and confirm groups claimed by writers that died before confirming; returns how many."""
-        claims = self.grouping_transform.recover(force=force)
-        return sum(self._write_or_quarantine(claim) is not None for claim in claims)
+        return sum(index is not None for _, index in self._write_all(self.grouping_transform.recover(force=force)))
 
-    def _write_claim(self, claim, confirm: bool = True) -> torch.Tensor:
+    def _write_claim(self, claim) -> torch.Tensor:
+        """Write one claim's group into the storage (not confirmed: see :meth:`_write_all`)."""
         transform = self.grouping_transform
         storage = self._storage
         if is_group_store(storage):
@@ -179,8 +192,6 @@ class GroupReplayBuffer(ReplayBuffer):
             storage.set(index, group, set_cursor=False)
             _raise_len(storage, claim.rows + n)
         self._sampler.extend(index)
-        if confirm:
-            transform.confirm(claim)
         return index
 
 

@@ -124,7 +124,8 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--max-lead-groups", type=int,
                    help="how many prompts collectors may run ahead of the prompts the pipeline is done with "
                         "(trained on, skipped as stale, or dropped) "
-                        "(default: groups-per-step x (max-policy-lag - 1), which keeps data within the lag)")
+                        "(default: groups-per-step x 2, x 1 when --max-policy-lag < 3: the next step's groups are "
+                        "generated while this one trains, so the learner trains on groups one version old)")
     g.add_argument("--samples-per-insert", type=float, default=1.0,
                    help="rate limiter: groups the learner resolves per group collectors insert, in (0, 1]; "
                         "below 1 collectors may out-produce the learner (the surplus turns stale)")

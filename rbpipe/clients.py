@@ -25,6 +25,9 @@ from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 from rbpipe.task_spec import normalize_spec
 from rbpipe.weights import SharedWeights
 
+#: On Ray, a waiting ``take_many`` asks again after this long (its coordinator actor cannot hold a call open).
+RAY_TAKE_POLL_S = 0.02
+
 if TYPE_CHECKING:
     from rbpipe.rayengine import RayWeights
 
@@ -68,7 +71,8 @@ class _Attached:
         _check_same("model", None if model is None else str(Path(model).resolve()),
                     None if self.config.model is None else str(Path(self.config.model).resolve()), str(target))
         spec = self.attachment.endpoint["weights"]
-        if spec.get("engine") == "ray":
+        self._on_ray = spec.get("engine") == "ray"
+        if self._on_ray:
             from rbpipe.rayengine import RayWeights
 
             self._weights: SharedWeights | RayWeights = RayWeights(self.attachment.manager.coordinator_actor,
@@ -153,15 +157,27 @@ class CollectorClient(_Attached):
         units = self.take_many(1)
         return units[0] if units else None
 
-    def take_many(self, max_units: int) -> list[dict]:
+    def take_many(self, max_units: int, wait_s: float = 0.0) -> list[dict]:
         """Up to ``max_units`` work units of different prompts in one round trip (generate them in one batch,
-        hand them over in one :meth:`extend`); ``[]`` while the rate limit holds new prompts back."""
-        units = self._call("take_many", self.lease, max_units)
+        hand them over in one :meth:`extend`); ``[]`` while the rate limit holds new prompts back.
+
+        ``wait_s``: while it does, wait up to this long (0.2 s at most) for prompts to open before returning
+        ``[]``: the local service answers the moment the learner moves the band; on Ray, whose coordinator
+        actor answers one call at a time, the client sleeps a fraction of it and asks once more instead."""
+        units = self._take_many(max_units, wait_s)
         if isinstance(units, dict):  # {"lease": "expired"}: frozen past the lease's time to live
             self._join()
-            units = self._call("take_many", self.lease, max_units)
+            units = self._take_many(max_units, wait_s)
             if isinstance(units, dict):
                 raise RbpipeError("the service no longer knows this collector's lease; restart the collector")
+        return units
+
+    def _take_many(self, max_units: int, wait_s: float) -> list[dict] | dict:
+        if wait_s <= 0 or not self._on_ray:
+            return self._call("take_many", self.lease, max_units, wait_s)
+        units = self._call("take_many", self.lease, max_units)
+        if units == []:
+            time.sleep(min(wait_s, RAY_TAKE_POLL_S))
         return units
 
     def extend(self, trajectories) -> None:

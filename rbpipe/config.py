@@ -37,7 +37,7 @@ class RunConfig:
     lr: float = 1e-3
     micro_batches: int = 1
     max_policy_lag: int = 4
-    max_lead_groups: int | None = None  # collectors' lead over the learner; default keeps data within the lag
+    max_lead_groups: int | None = None  # collectors' lead over the learner; default two steps' groups (lag ~1)
     samples_per_insert: float = 1.0  # rate limiter (rbpipe.rate_limit): groups resolved per group inserted
     min_groups_to_sample: int | None = None  # rate limiter's minimum size to sample; default groups_per_step
     checkpoint_every: int = 10  # learner steps between checkpoints (a resumed or restarted learner starts there)
@@ -134,10 +134,13 @@ class RunConfig:
 
     @property
     def lead_groups(self) -> int:
-        """How many prompts collectors may run ahead of the learner: data stays within ``max_policy_lag``."""
+        """How many prompts collectors may run ahead of the learner. By default two steps' groups (fewer when
+        ``max_policy_lag`` is below 3): the next step's groups are generated while this one trains, and no more,
+        so the learner trains on groups one policy version old. Measured (bench/RESULTS.md, issue 18): reaching
+        the demo's target took 14% more steps at a lag of 1 than on-policy, 48% more at a lag of 2."""
         if self.max_lead_groups is not None:
             return self.max_lead_groups
-        return self.groups_per_step * max(1, self.max_policy_lag - 1)
+        return self.groups_per_step * min(2, max(1, self.max_policy_lag - 1))
 
     def loss_config(self):
         """The learner's :class:`~rbpipe.loss.LossConfig`, with the run's generation budget (``max_new_tokens``):

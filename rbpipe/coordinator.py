@@ -36,6 +36,8 @@ LEARNER_FIELDS = ("step", "done", "phase", "consumed_groups", "stale_groups", "s
 
 #: Seconds the coordinator reuses the grouping counters it reads on every change (dropped groups move the band).
 STATS_CACHE_S = 0.05
+#: Longest a ``take_many`` waits for the band to move: a collector still checks for a stop request this often.
+MAX_TAKE_WAIT_S = 0.2
 
 
 class CachedStats:
@@ -88,6 +90,7 @@ class Coordinator:
         self._state_path = Path(state_dir) / PROMPTS
         self._registry = None if registry is None else CachedStats(registry, stats_cache_s)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # what a waiting take_many waits for: the band moved
         self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / RATE_LIMIT_FILE, create=True)
         self._expect = max(1, int(expect_collectors))
         self.next_prompt = 0
@@ -147,6 +150,7 @@ class Coordinator:
             self._ids[lease] = int(collector_id)
             self._holders.add(lease)
             self._joined.add(lease)
+            self._changed.notify_all()  # the start-up gate may open
             return int(collector_id)
 
     def take(self, lease: str) -> dict | None:
@@ -155,36 +159,50 @@ class Coordinator:
         units = self.take_many(lease, 1)
         return units if isinstance(units, dict) else (units[0] if units else None)
 
-    def take_many(self, lease: str, max_units: int) -> list[dict] | dict:
+    def take_many(self, lease: str, max_units: int, wait_s: float = 0.0) -> list[dict] | dict:
         """Up to ``max_units`` units for ``lease`` in one call, each of another prompt: a collector generates
         them in one batched forward and hands them over in one call. ``[]`` while the band is full; a dead or
-        unknown lease gets ``{"lease": "expired"}``. A prompt's units still go to different collectors."""
+        unknown lease gets ``{"lease": "expired"}``. A prompt's units still go to different collectors.
+
+        ``wait_s`` (at most :data:`MAX_TAKE_WAIT_S`): while the band is full, wait up to this long for the
+        learner to move it (or a collector to leave) instead of returning ``[]`` at once: the collector starts
+        on the new prompts the moment they open, not a polling interval later. Only for callers served by a
+        thread of their own (the local service); the Ray coordinator actor answers one call at a time."""
         if not LEASES.alive(lease) or lease not in self._ids:
             return {"lease": "expired"}
+        deadline = time.monotonic() + min(max(float(wait_s), 0.0), MAX_TAKE_WAIT_S)
         with self._lock:
-            self._reclaim()
-            opened = self.next_prompt
-            taken: dict[int, int] = {}  # prompt -> samples (a collector alone may get a prompt's units at once)
-            for _ in range(max(1, int(max_units))):
-                unit = self._pick(lease)
-                if unit is None:
-                    break
-                prompt, n = unit
-                taken[prompt] = taken.get(prompt, 0) + n
-                self._units[(prompt, lease)] = self._units.get((prompt, lease), 0) + n
-                self._shares.setdefault(prompt, set()).add(lease)  # (the next pick prefers another prompt)
-            now = time.monotonic_ns()
-            if not taken:
-                self._blocked_since.setdefault(lease, now)
-                self._publish_blocked(now)
-                return []
-            since = self._blocked_since.pop(lease, None)
-            if since is not None:
-                self._counts["insert_blocked_ns"] += now - since
-            self._counts["units"] += len(taken)
-            if self.next_prompt != opened:  # samples moved from the pool to units: the total owed changed only
-                self._save()                # where a new prompt opened
-            return [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
+            while True:
+                units = self._take_locked(lease, max_units)
+                remaining = deadline - time.monotonic()
+                if units or remaining <= 0 or self._stop:
+                    return units
+                self._changed.wait(remaining)
+
+    def _take_locked(self, lease: str, max_units: int) -> list[dict]:
+        self._reclaim()
+        opened = self.next_prompt
+        taken: dict[int, int] = {}  # prompt -> samples (a collector alone may get a prompt's units at once)
+        for _ in range(max(1, int(max_units))):
+            unit = self._pick(lease)
+            if unit is None:
+                break
+            prompt, n = unit
+            taken[prompt] = taken.get(prompt, 0) + n
+            self._units[(prompt, lease)] = self._units.get((prompt, lease), 0) + n
+            self._shares.setdefault(prompt, set()).add(lease)  # (the next pick prefers another prompt)
+        now = time.monotonic_ns()
+        if not taken:
+            self._blocked_since.setdefault(lease, now)
+            self._publish_blocked(now)
+            return []
+        since = self._blocked_since.pop(lease, None)
+        if since is not None:
+            self._counts["insert_blocked_ns"] += now - since
+        self._counts["units"] += len(taken)
+        if self.next_prompt != opened:  # samples moved from the pool to units: the total owed changed only
+            self._save()                # where a new prompt opened
+        return [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
 
     def _pick(self, lease: str) -> tuple[int, int] | None:
         """Oldest open prompt first; a prompt's units go to different collectors while another live collector
@@ -286,6 +304,7 @@ class Coordinator:
         with self._lock:
             self._reclaim()
             self._released.discard(lease)
+            self._changed.notify_all()  # its units are back in the pool
 
     # -- the learner -------------------------------------------------------------------------------------------
     def claim_learner(self, lease: str) -> str | None:
@@ -307,6 +326,7 @@ class Coordinator:
         with self._lock:
             self._learner.update(fields)
             self._limiter.set_samples(0, int(self._learner["consumed_groups"]) + int(self._learner["stale_groups"]))
+            self._changed.notify_all()
         return self.timing()
 
     def learner(self) -> dict:
@@ -356,7 +376,9 @@ class Coordinator:
 
     def request_stop(self) -> None:
         """Ask every attached worker to finish (``rbpipe serve`` stopping; the learner reached its steps)."""
-        self._stop = True
+        with self._lock:
+            self._stop = True
+            self._changed.notify_all()
 
     def stop_requested(self) -> bool:
         return self._stop

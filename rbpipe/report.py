@@ -55,12 +55,13 @@ def first_last_fraction(values: list[float], fraction: float = 0.2) -> tuple[flo
 
 
 #: per-step timing fields summed (or averaged) over a run in ``summary.json``'s ``timing``
-SUMMED_TIMING = ("learner/data_wait_s", "learner/train_s", "learner/publish_s", "learner/collectors_rate_limited_s",
+SUMMED_TIMING = ("learner/data_wait_s", "learner/sample_s", "learner/train_s", "learner/publish_s",
+                 "learner/collectors_rate_limited_s",
                  "collectors/generate_s", "collectors/handover_s")
 
 
 def timing_summary(records: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Where the run's time went: the learner's seconds waiting for data, training and publishing, its mean
+    """Where the run's time went: the learner's seconds waiting for data, reading it, training and publishing, its mean
     busy fraction and policy lag, and the collectors' seconds generating, handing over and rate limited."""
     out: dict[str, float | None] = {}
     for key in SUMMED_TIMING:

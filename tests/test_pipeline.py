@@ -45,12 +45,13 @@ def test_summary_has_the_contract_fields_and_conservation_holds(short_run):
     assert summary["reward_last10"] == pytest.approx(sum(r["reward_mean"] for r in records[-10:]) / len(records[-10:]))
     # where the time went, per step and for the run
     for r in records:
-        for key in ("learner/data_wait_s", "learner/train_s", "learner/publish_s", "learner/busy_fraction",
-                    "learner/policy_lag", "collectors/generate_s", "collectors/handover_s",
+        for key in ("learner/data_wait_s", "learner/sample_s", "learner/train_s", "learner/publish_s",
+                    "learner/busy_fraction", "learner/policy_lag", "collectors/generate_s", "collectors/handover_s",
                     "learner/collectors_rate_limited_s"):
             assert r[key] >= 0, key
     timing = summary["timing"]
     assert timing["learner_train_s"] == pytest.approx(sum(r["learner/train_s"] for r in records), abs=1e-2)
+    assert timing["learner_sample_s"] == pytest.approx(sum(r["learner/sample_s"] for r in records), abs=1e-2)
     assert timing["collectors_generate_s"] > 0 and 0 < timing["learner_busy_fraction_mean"] <= 1
 
 

@@ -86,6 +86,45 @@ def test_several_units_in_one_take_are_of_different_prompts_shared_with_the_othe
     coord.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_waiting_take_is_answered_when_the_learner_moves_the_band_or_a_stop_is_requested(tmp_path, monkeypatch):
+    """A collector held back by the band asks once and is answered the moment the learner's report moves the
+    band, not a polling interval later (it then generates the next step's groups with the newest weights, while
+    the learner trains); a stop request answers a waiting ask at once, with nothing."""
+    import threading
+
+    import rbpipe.coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "MAX_TAKE_WAIT_S", 60.0)  # only a wake-up ends these waits in time
+    coord = Coordinator(2, 2, BAND, str(tmp_path))
+    a = LEASES.grant()
+    coord.join(a)
+    opened: list[dict] = []
+    while units := coord.take_many(a, 1):
+        opened += units
+    assert opened and coord.take_many(a, 1, wait_s=0.05) == []  # the band holds; a short wait ends empty
+    result: dict = {}
+
+    def ask() -> None:
+        result["units"] = coord.take_many(a, 1, wait_s=60.0)
+
+    waiter = threading.Thread(target=ask)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive(), "the ask waits while the band holds"
+    coord.report_learner(consumed_groups=1)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and result["units"] == [{"prompt": len(opened), "samples": 2}]
+    waiter = threading.Thread(target=ask)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()
+    coord.request_stop()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and result["units"] == []
+    coord.close()
+
+
 def test_a_dead_collectors_unfinished_units_are_reissued_and_counted(tmp_path):
     coord = Coordinator(4, 2, BAND, str(tmp_path))
     a, b = LEASES.grant(), LEASES.grant()

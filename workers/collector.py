@@ -22,10 +22,9 @@ from rbpipe.errors import BadTrajectoryError
 from rbpipe.procs import run_worker
 from rbpipe.schema import make_trajectory
 
-IDLE_POLL_S = 0.02  # between asks while the rate limit holds new prompts back
-#: Work units (each of another prompt) taken, generated in one batch and handed over in one call: a tiny model's
-#: forward costs about the same for 4 rows as for 32, and every round trip to the service is paid once.
-UNITS_PER_TAKE = 4
+#: How long one ask waits for prompts to open while the rate limit holds them back (the service answers as soon
+#: as the learner moves the band; the collector checks for a stop request in between).
+TAKE_WAIT_S = 0.1
 
 
 def run_collector(target: str | Path, collector_id: int | None = None, *, task: str | None = None,
@@ -43,9 +42,10 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
         if announce:
             log(f"[collector {client.collector_id}] attached to {client.run_dir}")
         while not client.stop_requested():
-            units = client.take_many(UNITS_PER_TAKE)
+            # a learner step's worth of prompts at once (one unit of each): generated in one batch and handed
+            # over in one call, so a step's groups are ready one generation + one hand-over after the band moves
+            units = client.take_many(cfg.groups_per_step, wait_s=TAKE_WAIT_S)
             if not units:
-                time.sleep(IDLE_POLL_S)
                 continue
             if client.weights_version != version:
                 version = client.load_weights(policy)

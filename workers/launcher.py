@@ -50,6 +50,7 @@ CONFIG = "config.json"
 RAY_WORKERS = "ray_workers.json"  # --engine ray: the namespace and where each worker actor was placed
 PIDS = "pids.json"  # {name: pid} of the run's processes (launcher, manager, learner, collectors)
 PID_STARTS = "pid_starts.json"  # {name: start time in clock ticks}: tells a live process from a recycled pid
+SUPERVISE_POLL_S = 0.1  # the supervisor's look at the service: a finished run is wound down this soon after
 STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
 
 
@@ -328,6 +329,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         _stop_all(workers, hurry=lambda: stop_request.hurry)
         if not workers and not stop_request.hurry:  # `rbpipe serve`: attached workers leave before it closes
             service.wait_for_workers()
+        service.confirm_stored()
         final = _final_status(service)
         service.close()
         try:
@@ -418,7 +420,7 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
     last_step, last_progress, stall_reported = start_step, time.time(), False
     try:
         while True:
-            time.sleep(0.25)
+            time.sleep(SUPERVISE_POLL_S)
             status = service.status()
             learner_state = status["learner"]
             if learner_state["done"]:

@@ -128,7 +128,8 @@ def _train(client: LearnerClient) -> None:
             if not limiter.wait_sample(cfg.groups_per_step, lambda: sampler.available_groups(storage),
                                        stop_event=client, on_wait=lambda: _publish_progress(client, sampler)):
                 break
-            data_wait = time.perf_counter() - waited_from
+            sample_from = time.perf_counter()
+            data_wait = sample_from - waited_from
             rows, info = buffer.sample(return_info=True)
             busy_start = time.perf_counter()
             batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
@@ -155,6 +156,7 @@ def _train(client: LearnerClient) -> None:
                       "learner/policy_lag_max": float(lag.max()),
                       "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups
                       "learner/train_s": trained_at - busy_start,  # loss batch, loss, backward, optimizer
+                      "learner/sample_s": busy_start - sample_from,  # reading the drawn groups from the store
                       "learner/publish_s": now - trained_at,  # weights and progress to the service
                       # collectors' seconds since the last step (all collectors together): blocked on the rate
                       # limit, generating, handing trajectories over to the shared buffer

@@ -147,6 +147,14 @@ class Service:
                 return
             time.sleep(0.1)
 
+    def confirm_stored(self) -> int:
+        """Once the workers are gone: confirm the groups a killed writer stored but had not confirmed (else the
+        summary would count them as stored and as queued). Returns how many; 0 if the manager is gone."""
+        try:
+            return self.buffer.confirm_stored() if self.buffer is not None else 0
+        except Exception:  # noqa: BLE001 - the manager is gone: the summary says what the store holds
+            return 0
+
     def close(self) -> None:
         """Stop answering: the endpoint and key go first (a late worker gets a clear 'no service' error), then
         the manager, the weights and the band."""

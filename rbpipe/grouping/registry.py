@@ -183,9 +183,9 @@ class _Shard:
 class GroupRegistry:
     """Shared grouping state; its public methods are what the manager proxy exposes."""
 
-    exposed = ("append", "append_many", "confirm", "recover", "get_stats", "reset_stats", "clear_queues",
-               "ping", "options", "quarantine", "quarantined", "drop_reasons", "watch_temporary",
-               "join_info", "lease", "renew", "release", "lease_ttl")
+    exposed = ("append", "append_many", "confirm", "confirm_many", "unconfirmed", "recover", "get_stats",
+               "reset_stats", "clear_queues", "ping", "options", "quarantine", "quarantined", "drop_reasons",
+               "watch_temporary", "join_info", "lease", "renew", "release", "lease_ttl")
 
     def __init__(self, options: dict, shards: int = 16, orphan_check_s: float = 0.5,
                  staging: dict | None = None, leases: LeaseTable | None = None) -> None:
@@ -412,6 +412,17 @@ class GroupRegistry:
         """The claim's group is in storage: release its deferred counters. Idempotent."""
         with self._claims_lock:
             return self._claims.pop(claim_id, None) is not None
+
+    def confirm_many(self, claim_ids: list[str]) -> list[bool]:
+        """:meth:`confirm` each of the groups one hand-over wrote, in one round trip."""
+        with self._claims_lock:
+            return [self._claims.pop(claim_id, None) is not None for claim_id in claim_ids]
+
+    def unconfirmed(self) -> list[tuple[str, list[str]]]:
+        """``(claim id, member handles)`` of every claim not confirmed yet: lets the service confirm, at the end
+        of a run, those whose group a writer stored and was killed before confirming."""
+        with self._claims_lock:
+            return [(cid, list(c["selected"]) + list(c["unselected"])) for cid, c in self._claims.items()]
 
     def recover(self, owner, force: bool = False) -> list[dict]:
         """Hand the caller (``owner``: its lease token, renewed by the call) every claim whose owner's lease is

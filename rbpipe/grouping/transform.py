@@ -626,8 +626,25 @@ class SharedMCAdvantage(MCAdvantage):
 
     def confirm(self, claim: Claim) -> None:
         """The group is in storage: count it as written and delete its staged payloads."""
-        call(self._registry, "confirm", claim.claim_id)
-        self.staging.delete(claim.handles)
+        self.confirm_many([claim])
+
+    def confirm_many(self, claims: list[Claim]) -> None:
+        """:meth:`confirm` the groups one hand-over wrote, in one round trip to the manager."""
+        if not claims:
+            return
+        call(self._registry, "confirm_many", [claim.claim_id for claim in claims])
+        self.staging.delete([handle for claim in claims for handle in claim.handles])
+
+    def confirm_stored(self, committed: AbstractSet[str]) -> int:
+        """Confirm every claim whose members are all in ``committed`` (the store's committed member ids): a
+        writer killed after storing groups and before confirming them left them claimed, their members counted
+        as queued although they are stored. Returns how many were confirmed."""
+        stored = [(cid, handles) for cid, handles in call(self._registry, "unconfirmed")
+                  if handles and all(handle in committed for handle in handles)]
+        if stored:
+            call(self._registry, "confirm_many", [cid for cid, _ in stored])
+            self.staging.delete([handle for _, handles in stored for handle in handles])
+        return len(stored)
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
         """Stand-alone use (no rbpipe buffer): return completed groups, counted as written once returned."""

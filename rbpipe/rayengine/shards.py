@@ -247,7 +247,7 @@ class ShardHost:
         self.leases.release(token)
 
 
-_SUM_LISTS = ("clear_queues", "quarantined")
+_SUM_LISTS = ("clear_queues", "quarantined", "unconfirmed")
 
 
 class ShardedRegistry(_Proxy):
@@ -366,6 +366,9 @@ class ShardedRegistry(_Proxy):
         if index is not None:
             return self._one(index, "confirm", claim_id)
         return any(self._all("confirm", claim_id))
+
+    def _do_confirm_many(self, claim_ids: list[str]) -> list[bool]:
+        return [self._do_confirm(claim_id) for claim_id in claim_ids]
 
     def _do_quarantine(self, claim_id: str, reason: str):
         index = self._claim_shard.pop(claim_id, None)

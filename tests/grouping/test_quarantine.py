@@ -176,3 +176,63 @@ def test_a_write_that_fails_inside_the_storage_leaves_no_uninitialised_rows(tmp_
     buffer.extend(traj(6, 3, [1.0]))
     buffer.extend(traj(7, 3, [0.0]))  # the next group of two rows fills the hole
     assert storage[: len(storage)].get("uid").tolist() == [0, 1, 6, 7, 4, 4, 5, 5]
+
+
+@pytest.mark.timeout(60)
+def test_one_hand_over_confirms_every_group_it_wrote_in_one_round_trip_even_when_one_fails(
+        tmp_path, grouping_manager, monkeypatch):
+    """A collector's hand-over completes several groups: it writes them, then confirms them all with one call
+    to the manager (a round trip per group was a third of a hand-over's time). A group that cannot be written
+    is quarantined, and the groups written beside it are still confirmed: none stays claimed by a live writer."""
+    import rbpipe.grouping.transform as transform_module
+
+    buffer, storage = _poisoned_buffer(tmp_path, grouping_manager)
+    t = buffer.grouping_transform
+    calls: list[str] = []
+
+    def counting_call(proxy, method, *args, **kwargs):
+        if method.startswith(("append", "confirm")):  # (not the writer's lease calls)
+            calls.append(method)
+        return call(proxy, method, *args, **kwargs)
+
+    monkeypatch.setattr(transform_module, "call", counting_call)
+    buffer.extend([traj(0, 1, [1.0]), traj(1, 2, [1.0]), traj(2, 3, [0.0])])  # three groups opened
+    assert calls == ["append_many"] and t.get_stats()["written_groups"] == 0
+    calls.clear()
+    buffer.extend([traj(3, 1, [0.0]), traj(4, 2, [0.0]), traj(5, 3, [1.0])])  # ... and completed in one call
+    assert calls == ["append_many", "confirm_many"]
+    stats = t.get_stats()
+    assert len(storage) == 6 and stats["written_groups"] == 3 and stats["queued_trajectories"] == 0
+    staged = [p for p in (tmp_path / "staging").rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert not staged, "confirmed groups' staged payloads are deleted"
+    calls.clear()
+    buffer.extend([traj(6, 4, [1.0]), traj(7, POISON, [1.0]), traj(8, 5, [1.0])])
+    with pytest.raises(RbpipeError, match="quarantined"):
+        buffer.extend([traj(9, 4, [0.0]), traj(10, POISON, [0.0]), traj(11, 5, [0.0])])
+    stats = t.get_stats()
+    assert stats["written_groups"] == 5 and stats["dropped_groups"] == 1 and stats["queued_trajectories"] == 0
+    assert calls.count("confirm_many") == 1 and "confirm" not in calls
+
+
+@pytest.mark.timeout(60)
+def test_groups_stored_by_a_writer_killed_before_confirming_are_confirmed_at_the_end(tmp_path, grouping_manager,
+                                                                                     monkeypatch):
+    """A writer killed between storing a hand-over's groups and confirming them leaves them claimed: counted as
+    queued although they are in the store (a run's summary then counted them twice, and its conservation
+    check failed). The service confirms them once its workers are gone; a claim not stored stays queued."""
+    buffer, storage = _poisoned_buffer(tmp_path, grouping_manager)
+    t = buffer.grouping_transform
+    buffer.extend([traj(0, 1, [1.0]), traj(1, 2, [1.0])])
+    monkeypatch.setattr(t, "confirm_many", lambda claims: None)  # killed after writing, before confirming
+    buffer.extend([traj(2, 1, [0.0]), traj(3, 2, [0.0])])
+    monkeypatch.undo()
+    dead = _dead_pid()
+    _append_as(t, dead, traj(4, 3, [1.0]))
+    assert _append_as(t, dead, traj(5, 3, [0.0]))["status"] == "write"  # claimed by a writer that died unwritten
+    stats = t.get_stats()
+    assert len(storage) == 4 and stats["written_groups"] == 0 and stats["queued_trajectories"] == 6  # 4 twice
+    assert buffer.confirm_stored() == 2
+    stats = t.get_stats()
+    assert stats["written_groups"] == 2 and stats["queued_trajectories"] == 2  # the unwritten claim stays queued
+    assert 6 == len(storage) + stats["queued_trajectories"] + 2 * stats["dropped_groups"]  # conservation
+    assert buffer.confirm_stored() == 0

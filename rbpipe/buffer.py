@@ -3,9 +3,8 @@
 ``grouping="rbpipe"``: ``extend``/``add`` run :class:`~rbpipe.grouping.SharedMCAdvantage`; each completed
 group is written by the writer that completed it, outside any lock (``storage.append_group`` with the
 claim id as commit id where the storage has it, e.g. ``ArrowStorage``; for torchrl tensor storages into a
-row range reserved by the manager), then confirmed (the groups of one call in one round trip). No lock lives in
-the buffer, so it pickles into
-``multiprocess`` spawn children.
+row range reserved by the manager), then confirmed (the groups of one call in one round trip). No lock lives
+in the buffer, so it pickles into ``multiprocess`` spawn children.
 
 ``grouping="torchrl"``: torchrl's stock shared ``MCAdvantage`` (stdlib manager, one RLock) behind the stock
 ``ReplayBuffer`` write path; the baseline. It also works across ``multiprocess`` spawn workers: when the

@@ -166,6 +166,9 @@ class CollectorClient(_Attached):
         actor answers one call at a time, the client sleeps a fraction of it and asks once more instead."""
         units = self._take_many(max_units, wait_s)
         if isinstance(units, dict):  # {"lease": "expired"}: frozen past the lease's time to live
+            # drop the expired lease first: its heartbeat may not have noticed yet, and re-joining under the same
+            # token would be refused again (on Ray a shard restart can hold renewals up past the time to live)
+            self.buffer.grouping_transform.close()
             self._join()
             units = self._take_many(max_units, wait_s)
             if isinstance(units, dict):

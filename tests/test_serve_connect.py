@@ -391,3 +391,28 @@ def test_a_unit_handed_over_in_one_call_keeps_its_good_trajectories_and_counts_t
             _kill(serve)
     assert summary["produced"] == 4 and summary["rejected"] == 1 and summary["queued"] == 3
     assert summary["conservation_ok"], summary
+
+
+@pytest.mark.timeout(300)
+def test_a_collector_whose_lease_expired_unnoticed_rejoins_under_a_new_lease(tmp_path):
+    """The service can let a collector's lease lapse before the collector's heartbeat notices (on Ray a shard
+    restart held renewals up past the time to live): its next ask is answered "expired", and it must re-join
+    under a *new* lease. It re-joined under the stale one, was refused again and died ("the service no longer
+    knows this collector's lease")."""
+    import rbpipe
+    from rbpipe.grouping.manager import call
+
+    run_dir = tmp_path / "run"
+    serve = _start(["serve", "--no-progress", "--json", "--run-dir", str(run_dir), "--grpo-size", "4",
+                    "--collectors", "1"], stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: (run_dir / "endpoint.json").exists(), 120, "endpoint.json", [serve])
+        with rbpipe.connect(run_dir) as client:
+            stale = client.lease
+            call(client.coordinator, "release", stale)  # the service forgets it; the heartbeat has not run yet
+            assert client.take() == {"prompt": 0, "samples": 4}  # re-joined: the released unit, under a new lease
+            assert client.lease != stale
+        _stop(serve)
+    finally:
+        if serve.poll() is None:
+            _kill(serve)

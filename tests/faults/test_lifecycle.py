@@ -105,10 +105,12 @@ def test_every_process_dies_with_the_launcher_and_resume_loses_nothing(tmp_path)
     assert not (run_dir / "store" / ".lock").exists(), "a stale writer lock was left"
     assert (run_dir / "summary.json").exists(), out[-3000:]
 
-    # 2. plain SIGTERM of the launcher (what `kill PID` sends) after a learner step
+    # 2. plain SIGTERM of the launcher (what `kill PID` sends) after a learner step of this launcher's (the
+    #    steps stage 1 logged are there already: waiting for ">= 1" sent SIGTERM before the launcher was up)
+    done = len(steps_logged(run_dir))
     proc = start(resume)
     try:
-        wait_for(lambda: len(steps_logged(run_dir)) >= 1, 150, "a learner step")
+        wait_for(lambda: len(steps_logged(run_dir)) >= done + 1, 150, "a learner step")
         os.kill(proc.pid, signal.SIGTERM)
         out = output(proc, 60)
         assert_all_gone(proc.pid)

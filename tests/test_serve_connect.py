@@ -359,6 +359,19 @@ def test_connect_to_a_run_dir_without_a_service_is_one_line(tmp_path):
     assert "no endpoint.json there" in out.stderr and "Traceback" not in out.stderr
 
 
+def _serve_one_collector(run_dir: Path) -> subprocess.Popen:
+    """``rbpipe serve`` (groups of 4, one collector) for the test's own client, once its endpoint is written."""
+    serve = _start(["serve", "--no-progress", "--json", "--run-dir", str(run_dir), "--grpo-size", "4",
+                    "--collectors", "1"], stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: (run_dir / "endpoint.json").exists(), 120, "endpoint.json", [serve])
+    except BaseException:
+        if serve.poll() is None:
+            _kill(serve)
+        raise
+    return serve
+
+
 @pytest.mark.timeout(300)
 def test_a_unit_handed_over_in_one_call_keeps_its_good_trajectories_and_counts_the_bad_one(tmp_path):
     """``client.extend(list)``: a work unit in one hand-over. A bad trajectory in it is rejected (counted, one
@@ -368,10 +381,8 @@ def test_a_unit_handed_over_in_one_call_keeps_its_good_trajectories_and_counts_t
     from rbpipe.schema import make_trajectory
 
     run_dir = tmp_path / "run"
-    serve = _start(["serve", "--no-progress", "--json", "--run-dir", str(run_dir), "--grpo-size", "4",
-                    "--collectors", "1"], stderr=subprocess.DEVNULL)
+    serve = _serve_one_collector(run_dir)
     try:
-        _wait(lambda: (run_dir / "endpoint.json").exists(), 120, "endpoint.json", [serve])
         with rbpipe.connect(run_dir) as client:
             unit = client.take()
             assert unit == {"prompt": 0, "samples": 4}
@@ -403,10 +414,8 @@ def test_a_collector_whose_lease_expired_unnoticed_rejoins_under_a_new_lease(tmp
     from rbpipe.grouping.manager import call
 
     run_dir = tmp_path / "run"
-    serve = _start(["serve", "--no-progress", "--json", "--run-dir", str(run_dir), "--grpo-size", "4",
-                    "--collectors", "1"], stderr=subprocess.DEVNULL)
+    serve = _serve_one_collector(run_dir)
     try:
-        _wait(lambda: (run_dir / "endpoint.json").exists(), 120, "endpoint.json", [serve])
         with rbpipe.connect(run_dir) as client:
             stale = client.lease
             call(client.coordinator, "release", stale)  # the service forgets it; the heartbeat has not run yet

@@ -10,10 +10,28 @@ from typing import Any
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.rayengine.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
 from rbpipe.rayengine.session import use_loopback
-from rbpipe.rayengine.shards import RESTART_WAIT_S, ShardedRegistry, ShardHost
+from rbpipe.rayengine.shards import RESTART_WAIT_S, RegistryAwaitsOptions, ShardedRegistry, ShardHost
 
 #: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
 STATS_CACHE_S = 0.25
+
+
+class LastKnownStats:
+    """The grouping counters as the coordinator actor reads them: one try, and the last answer while a shard is
+    down or restarting. The actor serves one call at a time, lease renewals included; a read that waited out a
+    shard's restart (up to ``RESTART_WAIT_S``) held every renewal up past the leases' time to live, so live
+    collectors' units were reissued while they still handed them over (a group stored twice)."""
+
+    def __init__(self, registry: ShardedRegistry) -> None:
+        self._router = registry.with_restart_wait(0.0)
+        self._last = registry.get_stats()  # waits for the shards once, when the coordinator is configured
+
+    def get_stats(self) -> dict:
+        try:
+            self._last = self._router.get_stats()
+        except (ManagerDiedError, RegistryAwaitsOptions):
+            pass  # the dropped groups it moves the band by catch up at the next read
+        return self._last
 
 
 class CoordinatorHost:
@@ -37,7 +55,8 @@ class CoordinatorHost:
         from rbpipe.coordinator import Coordinator
 
         if name not in self.coordinators:
-            self.coordinators[name] = Coordinator(**settings, registry=registry, stats_cache_s=STATS_CACHE_S)
+            self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(registry),
+                                                  stats_cache_s=STATS_CACHE_S)
 
     def has(self, name: str) -> bool:
         return name in self.coordinators

@@ -283,6 +283,10 @@ class ShardedRegistry(_Proxy):
         self.__dict__.update(state)
         self._claim_shard = {}
 
+    def with_restart_wait(self, seconds: float) -> ShardedRegistry:
+        """This router, waiting ``seconds`` (not its own) for a restarting shard."""
+        return ShardedRegistry(self._name, self._shards, self._coordinator, seconds, self._opened)
+
     @staticmethod
     def _exposed():
         from rbpipe.grouping.registry import GroupRegistry

@@ -85,3 +85,20 @@ def test_every_group_is_either_trained_once_or_counted_stale(tmp_path_factory, v
     assert set(trained) <= set(fresh)
     assert len(fresh) - len(trained) < per_batch  # only a final partial batch may remain
     assert sampler.stale_groups == len(versions) - len(fresh)
+
+
+def test_each_groups_policy_versions_are_read_once_however_often_the_learner_checks(tmp_path, monkeypatch):
+    """A waiting learner checks for fresh groups every few milliseconds; a committed group never changes, so its
+    ``policy_version`` column is read from the store once, not on every check."""
+    storage = make_storage(tmp_path, [0, 1, 2])
+    read_rows = []
+    read_column = storage.read_column
+    monkeypatch.setattr(storage, "read_column", lambda key, rows: read_rows.extend(rows.tolist()) or
+                        read_column(key, rows))
+    sampler = FreshGroupSampler(num_groups=2, max_staleness=1)
+    for _ in range(5):
+        assert sampler.available_groups(storage) == 3
+    storage.append_group(group(3, 4, 0))
+    sampler.consumer_version = 2  # groups of version 0 are now stale: retired without being read again
+    assert sampler.available_groups(storage) == 2 and sampler.stale_groups == 2
+    assert sorted(read_rows) == list(range(16))

@@ -21,7 +21,7 @@ from rbpipe.demo.policy import build_learner_actor
 from rbpipe.errors import RbpipeError
 from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
-from rbpipe.loss.batch import row_tensors
+from rbpipe.loss.batch import row_sums
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.procs import run_worker
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
@@ -204,8 +204,7 @@ def _group_fingerprints(rows) -> list[list[int]]:
     """``[group_id, members, token checksum]`` per sampled group: lets tests check the learner read
     exactly the rows the collectors wrote."""
     gids = rows.get(GROUP_KEY).reshape(len(rows), -1)[:, 0].tolist()
-    sums = [int(p.sum()) + 3 * int(r.sum()) for p, r in zip(row_tensors(rows, PROMPT_TOKENS_KEY),
-                                                              row_tensors(rows, RESPONSE_TOKENS_KEY), strict=True)]
+    sums = (row_sums(rows, PROMPT_TOKENS_KEY) + 3 * row_sums(rows, RESPONSE_TOKENS_KEY)).tolist()
     out: dict[int, list[int]] = {}
     for gid, checksum in zip(gids, sums, strict=True):
         entry = out.setdefault(int(gid), [int(gid), 0, 0])

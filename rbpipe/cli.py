@@ -142,8 +142,10 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
                    choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
     g.add_argument("--kl-type", default="k3", choices=["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"])
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference coefficient (0 = off)")
-    g.add_argument("--rollout-is", choices=["token", "sequence", "geometric"],
-                   help="rollout importance sampling level (off by default; mismatch metrics always logged)")
+    g.add_argument("--rollout-is", choices=["token", "sequence", "geometric", "none"],
+                   help="rollout importance sampling level: weights each token by the learner's over the collector's "
+                        "probability, correcting for the policy lag of a pipeline's groups (default token; none = "
+                        "off; mismatch metrics always logged)")
     g.add_argument("--rollout-is-mode", choices=["truncate", "mask", "both"], default="truncate")
     g.add_argument("--rollout-is-threshold", type=float, nargs=2, metavar=("LOWER", "UPPER"),
                    help="IS weight bounds (LOWER < UPPER)")
@@ -284,7 +286,7 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _check_run_options(given: set[str], resume: bool) -> None:
+def _check_run_options(given: set[str], resume: bool, rollout_is: str) -> None:
     """Options that would be silently ignored are errors."""
     if resume:
         ignored = sorted(given - RESUME_OVERRIDES)
@@ -293,18 +295,20 @@ def _check_run_options(given: set[str], resume: bool) -> None:
                               "would be ignored: drop it (only --steps may change on resume), or start a new run "
                               "with a new --run-dir")
     for dest in ("rollout_is_mode", "rollout_is_threshold", "rollout_is_veto"):
-        if dest in given and "rollout_is" not in given:
-            raise ConfigError(f"{_flag(dest)} applies only with --rollout-is token|sequence|geometric: add "
-                              f"--rollout-is or drop {_flag(dest)}")
+        if dest in given and rollout_is == "none":
+            raise ConfigError(f"{_flag(dest)} applies only with --rollout-is token|sequence|geometric: drop "
+                              f"--rollout-is none or {_flag(dest)}")
 
 
 def run_config(args, given: set[str]):
     """The :class:`~rbpipe.config.RunConfig` of ``rbpipe run``/``serve`` arguments (``given``: the options on the
     command line, see :func:`explicit_options`)."""
-    from rbpipe.config import RunConfig
+    from rbpipe.config import DEFAULT_LOSS, RunConfig
 
+    rollout_is = args.rollout_is or DEFAULT_LOSS["rollout_is"]
     loss = {"loss": args.loss, "loss_agg_mode": args.loss_agg_mode, "kl_type": args.kl_type,
-            "kl_coef": args.kl_coef, "rollout_is": args.rollout_is, "rollout_is_mode": args.rollout_is_mode}
+            "kl_coef": args.kl_coef, "rollout_is": None if rollout_is == "none" else rollout_is,
+            "rollout_is_mode": args.rollout_is_mode}
     if args.rollout_is_threshold:
         loss["rollout_is_threshold"] = tuple(args.rollout_is_threshold)
     if args.rollout_is_veto:
@@ -340,7 +344,7 @@ def _run(args, given: set[str]) -> int:
     from rbpipe.endpoint import parse_listen
     from rbpipe.workers.launcher import launch, serve
 
-    _check_run_options(given, args.resume is not None)
+    _check_run_options(given, args.resume is not None, args.rollout_is or "token")
     cfg = run_config(args, given)
     cfg.loss_config()  # validate before any process starts
     with _stdout_for_json(args.json) as out:

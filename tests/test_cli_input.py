@@ -72,9 +72,9 @@ def test_loss_config_rejects_non_finite_numbers(kwargs):
     (["--rollout-is-mode", "mask"], "--rollout-is-mode"),
     (["--rollout-is-threshold", "0.5", "2"], "--rollout-is-threshold"),
 ])
-def test_rollout_is_options_without_rollout_is_are_errors(argv, words, tmp_path, capsys, monkeypatch):
+def test_rollout_is_options_with_rollout_is_off_are_errors(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = main(["run", "--no-progress", "--steps", "1", *argv])
+    code = main(["run", "--no-progress", "--steps", "1", "--rollout-is", "none", *argv])
     one_line_error(capsys, code, 2, words, "--rollout-is")
     assert not (tmp_path / "runs").exists()
 

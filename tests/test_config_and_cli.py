@@ -80,3 +80,17 @@ def test_the_default_run_stops_at_the_target_and_steps_alone_runs_them_all(argv,
     args = parser.parse_args(["run", *argv])
     cfg = run_config(args, explicit_options(parser.run_parser, argv))
     assert (cfg.target_reward, cfg.steps) == (target, steps)
+
+
+@pytest.mark.parametrize("argv, level", [([], "token"), (["--rollout-is", "none"], None),
+                                         (["--rollout-is", "sequence"], "sequence")])
+def test_rollout_importance_sampling_is_on_by_default_in_a_run_and_in_the_library(argv, level):
+    """A pipeline's learner trains on groups one policy version old: token-level rollout IS corrects for it by
+    default, the same in ``rbpipe run`` as in a ``RunConfig`` built in Python (the benchmarks' runs)."""
+    from rbpipe.cli import build_parser, explicit_options, run_config
+    from rbpipe.config import RunConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    assert run_config(args, explicit_options(parser.run_parser, argv)).loss_config().rollout_is == level
+    assert RunConfig().loss_config().rollout_is == "token"

@@ -138,14 +138,15 @@ class GroupReplayBuffer(ReplayBuffer):
                                      if isinstance(leaf, torch.Tensor) and key != advantage}
         return lambda traj: _check_fits(traj, layout)
 
-    def requeue_staged(self) -> tuple[int, int]:
-        """Queue again what a previous session left staged, writing any group it completes: ``(requeued, torn)``."""
+    def requeue_staged(self) -> tuple[int, int, dict]:
+        """Queue again what a previous session left staged, writing any group it completes: ``(requeued, torn,
+        {group: trajectories requeued})``."""
         committed = self._storage.committed_member_ids() if is_group_store(self._storage) else set()
-        claims, requeued, torn = self.grouping_transform.requeue_staged(skip=committed)
+        claims, requeued, torn, by_group = self.grouping_transform.requeue_staged(skip=committed)
         for claim in claims:
             claim.recovered = True  # a previous session's group: quarantined with a warning if it fails
         self._write_all(claims)
-        return requeued, torn
+        return requeued, torn, by_group
 
     def confirm_stored(self) -> int:
         """Confirm the groups that writers stored and were killed before confirming (see

@@ -290,6 +290,22 @@ class Coordinator:
             if changed:
                 self._save()
 
+    def reconcile_staged(self, staged: dict) -> None:
+        """(A resumed service, before collectors join.) ``{prompt: samples}`` the last session's collectors had
+        handed over and the service requeued from staging. A session killed after a collector staged samples
+        and before this object recorded them as handed over (``prompts.json``) still lists them as owed: asked
+        for again, they were a second group of that prompt. A prompt owes at most what its staged samples leave
+        of ``samples_per_prompt`` (whole groups are not staged: a group is staged only while incomplete)."""
+        with self._lock:
+            for prompt, n in staged.items():
+                if isinstance(prompt, int) and prompt in self._pool:
+                    left = min(self._pool[prompt], max(0, self.samples_per_prompt - int(n)))
+                    if left:
+                        self._pool[prompt] = left
+                    else:
+                        del self._pool[prompt]
+            self._save()
+
     def skip(self, lease: str, prompt: int, n: int = 1) -> None:
         """``n`` samples of the caller's unit that will never be handed over (rejected as bad input)."""
         self.appended(prompt, lease, int(n))

@@ -81,12 +81,14 @@ class Service:
         self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / "staging",
                                          name=REGISTRY_NAME, **cfg.grouping_kwargs())
         self.rows_at_start = len(self.storage)
-        self.requeued, self.torn = self.buffer.requeue_staged()  # queued again, not lost
+        self.requeued, self.torn, staged = self.buffer.requeue_staged()  # queued again, not lost
         if self.requeued or self.torn:
             log(f"resumed {self.requeued} pending trajectories from the staging area"
                 + (f"; {self.torn} torn staging file(s) set aside" if self.torn else ""))
         self.coordinator = open_coordinator(self.manager, REGISTRY_NAME,
                                             coordinator_settings(cfg, self.run_dir, self.expect_collectors))
+        if staged:  # handed over by the last session, if maybe not yet recorded as such: not owed again
+            self.coordinator.reconcile_staged(staged)
         model = cfg.make_model()
         numel = sum(p.numel() for p in model.parameters())
         if self.engine == "ray":  # one ray.put per version, the ref held by the coordinator actor

@@ -657,20 +657,22 @@ class SharedMCAdvantage(MCAdvantage):
         return groups[0] if len(groups) == 1 else self._cat_tensordicts(groups, 0)
 
     # -- recovery: the one path (a resumed service requeues what is staged on disk) ------------------------------
-    def requeue_staged(self, skip: AbstractSet[str] = frozenset()) -> tuple[list[Claim], int, int]:
+    def requeue_staged(self, skip: AbstractSet[str] = frozenset()) -> tuple[list[Claim], int, int, dict]:
         """After a crash: hand every trajectory still staged on disk to the registry again.
 
         A staged payload was handed over and is neither written nor dropped yet (writers delete payloads
         after the commit or the drop), so the manager's lost queues are rebuilt from the disk. Each goes
         through the normal decision path, so groups it completes are claimed: returns ``(claims to write,
-        requeued, torn)``. Call on a fresh registry before writers start. A payload cut short by a kill
-        mid-write was never queued: it is renamed ``*.torn`` and counted, not served. Handles in ``skip``
-        (members of groups the store already committed: the writer died before deleting them) are deleted.
+        requeued, torn, {group: trajectories requeued})``. Call on a fresh registry before writers start. A
+        payload cut short by a kill mid-write was never queued: it is renamed ``*.torn`` and counted, not
+        served. Handles in ``skip`` (members of groups the store already committed: the writer died before
+        deleting them) are deleted.
         """
         claims: list[Claim] = []
         self.staging.sweep()  # recycled (never read) files of processes that are gone
         self.staging.delete([h for h in self.staging.handles() if h in skip])
         requeued = torn = 0
+        by_group: dict = {}
         paths = sorted((self.staging.path / h for h in self.staging.handles()), key=lambda p: p.stat().st_mtime_ns)
         for path in paths:
             handle = path.relative_to(self.staging.path).as_posix()
@@ -684,12 +686,13 @@ class SharedMCAdvantage(MCAdvantage):
                 continue
             decision = call(self._registry, "append", group, handle, reward, self._owner(), self.reserve_rows)
             requeued += 1
+            by_group[group] = by_group.get(group, 0) + 1
             claims.extend(self._taken_over(decision["recovered"]))
             if decision["status"] == "dropped":
                 self.staging.delete(decision["handles"])
             elif decision["status"] == "write":
                 claims.append(self.load(decision))
-        return claims, requeued, torn
+        return claims, requeued, torn, by_group
 
 
 _LEASE_LOCK = threading.Lock()

@@ -156,14 +156,13 @@ def group_ids(run_dir: Path) -> set[int]:
 
 
 def check_groups(run_dir: Path) -> None:
-    """Every stored group whole and correctly normalised. Known race (nothing lost, nothing torn): a run killed
-    between a collector staging a work unit and the service recording it as handed over (``prompts.json``)
-    resumes with those samples both requeued from staging and owed again, so the extra samples form a second
-    group of that prompt: at most one group id per kill may be stored twice."""
+    """Every stored group whole, stored once and correctly normalised (a run killed between a collector staging a
+    work unit and the service recording it as handed over no longer asks for those samples again on resume:
+    ``tests/faults/test_resume_staged.py``)."""
     from rbpipe.storage import inspect_store
 
     groups = inspect_store(run_dir / "store", limit=None)["groups"]
-    assert len(groups) - len({g["group_id"] for g in groups}) <= 1
+    assert len(groups) == len({g["group_id"] for g in groups})
     for g in groups:
         returns = torch.tensor(g["returns"], dtype=torch.float64)
         assert len(returns) == 4

@@ -84,8 +84,8 @@ def test_pending_queues_survive_a_restart(grouping_manager):
     # a new process would build a fresh registry (here: a new name on the same manager) over the same staging
     resumed = SharedMCAdvantage(prompt_key="group_id", manager=grouping_manager, staging_dir=first.staging.path,
                                 required_keys=MINIMAL_KEYS, **opts)
-    claims, requeued, torn = resumed.requeue_staged()
-    assert (claims, requeued, torn) == ([], 4, 0)
+    claims, requeued, torn, by_group = resumed.requeue_staged()
+    assert (claims, requeued, torn, by_group) == ([], 4, 0, {7: 3, 8: 1})
     assert resumed.get_stats()["queued_trajectories"] == 4
     out = resumed.inv(traj(4, 7, [1.0]))
     ref = MCAdvantage(prompt_key="group_id", **opts)

@@ -150,7 +150,7 @@ def test_a_planted_pickle_is_never_executed_at_resume(tmp_path, grouping_manager
     (planted / "0.td").write_bytes(pickle.dumps(_Exploit(str(marker))))
     t = SharedMCAdvantage(2, prompt_key="group_id", manager=grouping_manager, staging_dir=staging,
                           required_keys=MINIMAL_KEYS)
-    claims, requeued, torn = t.requeue_staged()
+    claims, requeued, torn, _ = t.requeue_staged()
     assert not marker.exists(), "a staged file was unpickled"
     assert (claims, requeued, torn) == ([], 0, 1)
 

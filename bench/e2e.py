@@ -96,12 +96,16 @@ def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
 
 def import_pipeline() -> None:
     """The pipeline's imports, done before any timing as the one-process side's are (at this module's top): the
-    launcher's own (about a second), and the fork server's that every rbpipe process starts from (torch,
-    torchrl, transformers, once; a no-op worker waits until it has). Without this the first seed alone would
-    pay them (later ones reuse both)."""
-    import rbpipe.workers.launcher  # noqa: F401 - imported for its import time
+    launcher's own (about a second), those it makes on first use (the model classes its input check loads,
+    ~1.2 s, and matplotlib for the plot, ~0.5 s), and the fork server's that every rbpipe process starts from
+    (torch, torchrl, transformers, once; a no-op worker waits until it has). Without this the first seed alone
+    would pay them (later ones reuse all)."""
+    import matplotlib.pyplot  # noqa: F401 - imported for its import time
+    from rbpipe.workers.launcher import check_task_and_model
 
     from rbpipe.procs import worker_context
+
+    check_task_and_model(RunConfig())
 
     worker = worker_context().Process(target=time.sleep, args=(0,))
     worker.start()

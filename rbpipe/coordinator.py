@@ -295,7 +295,7 @@ class Coordinator:
         handed over and the service requeued from staging. A session killed after a collector staged samples
         and before this object recorded them as handed over (``prompts.json``) still lists them as owed: asked
         for again, they were a second group of that prompt. A prompt owes at most what its staged samples leave
-        of ``samples_per_prompt`` (whole groups are not staged: a group is staged only while incomplete)."""
+        of ``samples_per_prompt`` (staged samples are of groups not yet written: none of the prompt is stored)."""
         with self._lock:
             for prompt, n in staged.items():
                 if isinstance(prompt, int) and prompt in self._pool:

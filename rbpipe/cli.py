@@ -286,7 +286,7 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _check_run_options(given: set[str], resume: bool, rollout_is: str) -> None:
+def _check_run_options(given: set[str], resume: bool, rollout_is_off: bool) -> None:
     """Options that would be silently ignored are errors."""
     if resume:
         ignored = sorted(given - RESUME_OVERRIDES)
@@ -295,7 +295,7 @@ def _check_run_options(given: set[str], resume: bool, rollout_is: str) -> None:
                               "would be ignored: drop it (only --steps may change on resume), or start a new run "
                               "with a new --run-dir")
     for dest in ("rollout_is_mode", "rollout_is_threshold", "rollout_is_veto"):
-        if dest in given and rollout_is == "none":
+        if dest in given and rollout_is_off:
             raise ConfigError(f"{_flag(dest)} applies only with --rollout-is token|sequence|geometric: drop "
                               f"--rollout-is none or {_flag(dest)}")
 
@@ -344,7 +344,7 @@ def _run(args, given: set[str]) -> int:
     from rbpipe.endpoint import parse_listen
     from rbpipe.workers.launcher import launch, serve
 
-    _check_run_options(given, args.resume is not None, args.rollout_is or "token")
+    _check_run_options(given, args.resume is not None, args.rollout_is == "none")
     cfg = run_config(args, given)
     cfg.loss_config()  # validate before any process starts
     with _stdout_for_json(args.json) as out:

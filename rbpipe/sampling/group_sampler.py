@@ -88,7 +88,7 @@ class FreshGroupSampler(Sampler):
     def _oldest_versions(self, storage: Storage, spans: torch.Tensor) -> torch.Tensor:
         """Each span's oldest policy version. A committed group never changes, so each is read once (a
         learner that waits checks every few milliseconds; reading every fresh group's column each time cost
-        ~0.6 ms a check on the demo run, in the thread that draws while the learner trains)."""
+        ~0.6 ms a check on the demo run)."""
         new = [i for i, seq in enumerate(spans[:, 0].tolist()) if int(seq) not in self._oldest]
         if new:
             fresh = spans[new]

@@ -14,23 +14,31 @@ from rbpipe.rayengine.shards import RESTART_WAIT_S, RegistryAwaitsOptions, Shard
 
 #: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
 STATS_CACHE_S = 0.25
+#: Seconds the coordinator waits for the shards' counters before it goes on with the last ones.
+STATS_WAIT_S = 0.05
 
 
 class LastKnownStats:
-    """The grouping counters as the coordinator actor reads them: one try, and the last answer while a shard is
-    down or restarting. The actor serves one call at a time, lease renewals included; a read that waited out a
-    shard's restart (up to ``RESTART_WAIT_S``) held every renewal up past the leases' time to live, so live
+    """The grouping counters as the coordinator actor reads them: the shards' answers when they are there within
+    ``STATS_WAIT_S``, else the last ones. The actor serves one call at a time, lease renewals included; a read
+    that waited for a shard Ray was restarting held every renewal up past the leases' time to live, so live
     collectors' units were reissued while they still handed them over (a group stored twice)."""
 
     def __init__(self, registry: ShardedRegistry) -> None:
-        self._router = registry.with_restart_wait(0.0)
+        self._registry = registry
         self._last = registry.get_stats()  # waits for the shards once, when the coordinator is configured
+        self._pending: list | None = None
 
     def get_stats(self) -> dict:
-        try:
-            self._last = self._router.get_stats()
-        except (ManagerDiedError, RegistryAwaitsOptions):
-            pass  # the dropped groups it moves the band by catch up at the next read
+        if self._pending is None:
+            self._pending = self._registry.stats_calls()
+        ready, _ = _ray().wait(self._pending, num_returns=len(self._pending), timeout=STATS_WAIT_S)
+        if len(ready) == len(self._pending):
+            calls, self._pending = self._pending, None
+            try:
+                self._last = self._registry.sum_stats(_get(calls))
+            except (ManagerDiedError, RegistryAwaitsOptions):
+                pass  # a shard down or restarted without options: its routers bring it back; ask again next time
         return self._last
 
 

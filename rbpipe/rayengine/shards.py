@@ -283,10 +283,6 @@ class ShardedRegistry(_Proxy):
         self.__dict__.update(state)
         self._claim_shard = {}
 
-    def with_restart_wait(self, seconds: float) -> ShardedRegistry:
-        """This router, waiting ``seconds`` (not its own) for a restarting shard."""
-        return ShardedRegistry(self._name, self._shards, self._coordinator, seconds, self._opened)
-
     @staticmethod
     def _exposed():
         from rbpipe.grouping.registry import GroupRegistry
@@ -389,7 +385,16 @@ class ShardedRegistry(_Proxy):
 
     # -- counters, summed over shards --
     def _do_get_stats(self) -> dict:
-        parts = self._all("get_stats")
+        return self.sum_stats(self._all("get_stats"))
+
+    def stats_calls(self) -> list:
+        """One ``get_stats`` call to each shard, not waited for: the coordinator actor takes the answers when they
+        are there (a call to a shard that Ray is restarting waits until it is back)."""
+        return [s.call.remote(self._name, "get_stats", (), {}) for s in self._shards]
+
+    @staticmethod
+    def sum_stats(parts: list[dict]) -> dict:
+        """The shards' counters as one registry's."""
         stats = dict(parts[0])
         for part in parts[1:]:
             for name, value in part.items():

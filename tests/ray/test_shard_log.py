@@ -257,31 +257,50 @@ def _pid(actor):
         return None
 
 
-@pytest.mark.timeout(120)
-def test_the_coordinator_answers_takes_and_renewals_while_a_shard_is_down(ray_cluster, tmp_path):
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("restart", [False, True], ids=["down", "restarting"])
+def test_the_coordinator_answers_takes_and_renewals_while_a_shard_is_down(ray_cluster, tmp_path, restart):
     """The coordinator actor serves one call at a time, lease renewals too. Its take reads the grouping counters
-    (dropped groups move the band); with a shard down it answers from the last counters it read instead of
-    waiting for the shard (up to a minute): a renewal held up behind it let live collectors' leases expire and
-    their units be reissued while they still handed them over (a group stored twice)."""
+    (dropped groups move the band); with a shard down, or being restarted by Ray (calls to it wait until it is
+    back: seconds), it answers from the last counters it read instead of waiting: a renewal held up behind it
+    let live collectors' leases expire and their units be reissued while they still handed them over (a group
+    stored twice)."""
     import ray
 
     from rbpipe.rayengine import RayManager
 
-    manager = RayManager.start(shards=1, ttl_s=5.0, log_dir=str(tmp_path), prefix="coordwait-")
+    manager = RayManager.start(shards=1, ttl_s=5.0, log_dir=str(tmp_path), prefix=f"coordwait{int(restart)}-")
     try:
         assert manager.restart_wait_s > 20  # the routers wait for restarts; the coordinator must not
         limiter = {"samples_per_insert": 1.0, "error_buffer": 8.0, "min_size_to_sample": 1}
         manager.get_registry("c", {"grpo_size": 2}, 1, {"path": str(tmp_path / "staging"), "temporary": False})
         coordinator = manager.get_coordinator("c", {"samples_per_prompt": 2, "unit_size": 1, "limiter": limiter,
                                                     "state_dir": str(tmp_path)})
-        actor = manager.coordinator_actor
+        actor, shard = manager.coordinator_actor, manager.shard_actors[0]
         token = ray.get(actor.lease.remote())
         assert coordinator.join(token) == 0
-        ray.kill(manager.shard_actors[0], no_restart=True)  # down for good: a router would wait it out
+        pid = ray.get(shard.pid.remote())
+        ray.kill(shard, no_restart=not restart)
         time.sleep(0.5)  # past the coordinator's counters cache
         take = actor.call.remote("c", "take_many", (token, 1), {})
         renew = actor.renew.remote(token)
-        assert ray.get(renew, timeout=20) is True
-        assert ray.get(take, timeout=20) == [{"prompt": 0, "samples": 1}]
+        # seconds, not the shard's restart (or, down for good, the routers' minute of waiting for one)
+        assert ray.get(renew, timeout=3) is True
+        assert ray.get(take, timeout=3) == [{"prompt": 0, "samples": 1}]
+        if restart:  # the restart itself took longer than those answers (else this test proves nothing)
+            started = time.monotonic()
+            while _pid(shard) in (None, pid):
+                assert time.monotonic() - started < 60, "Ray did not restart the shard"
+                time.sleep(0.2)
+            assert time.monotonic() - started > 1.0
     finally:
         manager.shutdown()
+
+
+def _pid(actor):
+    import ray
+
+    try:
+        return ray.get(actor.pid.remote(), timeout=5)
+    except Exception:  # noqa: BLE001 - restarting
+        return None

@@ -295,12 +295,3 @@ def test_the_coordinator_answers_takes_and_renewals_while_a_shard_is_down(ray_cl
             assert time.monotonic() - started > 1.0
     finally:
         manager.shutdown()
-
-
-def _pid(actor):
-    import ray
-
-    try:
-        return ray.get(actor.pid.remote(), timeout=5)
-    except Exception:  # noqa: BLE001 - restarting
-        return None

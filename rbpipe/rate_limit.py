@@ -197,14 +197,16 @@ class RateLimiter:
                           stop_event, timeout, None)
 
     def wait_sample(self, n: int, available: Callable[[], int] | None = None, *, stop_event=None,
-                    timeout: float | None = None, on_wait: Callable[[], object] | None = None) -> bool:
+                    timeout: float | None = None, on_wait: Callable[[], object] | None = None,
+                    poll_s: float | None = None) -> bool:
         """Block until ``n`` groups may be sampled; ``on_wait`` runs between checks (the learner publishes
-        the groups it retired as stale meanwhile, which frees the collectors). False on stop or timeout."""
+        the groups it retired as stale meanwhile, which frees the collectors). False on stop or timeout.
+        ``poll_s``: this wait's sleep between checks (default: the limiter's)."""
         ready = (lambda: self.can_sample(n, available())) if available is not None else (lambda: self.can_sample(n))
-        return self._wait(ready, len(self._a) - 1, stop_event, timeout, on_wait)
+        return self._wait(ready, len(self._a) - 1, stop_event, timeout, on_wait, poll_s)
 
     def _wait(self, ready: Callable[[], bool], slot: int, stop_event, timeout: float | None,
-              on_wait: Callable[[], object] | None) -> bool:
+              on_wait: Callable[[], object] | None = None, poll_s: float | None = None) -> bool:
         if ready():
             return True
         start = last = time.perf_counter_ns()
@@ -222,7 +224,7 @@ class RateLimiter:
             if ready():
                 self._a[slot] += time.perf_counter_ns() - last
                 return True
-            time.sleep(self.poll_s)
+            time.sleep(self.poll_s if poll_s is None else poll_s)
 
     def describe(self) -> str:
         """One line for stall reports: where the band stands."""

@@ -102,6 +102,21 @@ def test_wait_honours_timeout_and_stop_event_and_counts_blocked_time(limiter_pat
     assert rl.wait_sample(2, available=lambda: 2, timeout=0.01) is True
 
 
+def test_a_wait_checks_as_often_as_its_own_poll_interval_says(limiter_path):
+    """The learner looks for its groups every millisecond, whatever the limiter's default interval."""
+    rl = RateLimiter(samples_per_insert=1.0, error_buffer=0, min_size_to_sample=2, groups_per_step=2,
+                     path=limiter_path, create=True, poll_s=0.05)
+    checks = {"default": 0, "own": 0}
+
+    def never(name):
+        checks[name] += 1
+        return 0
+
+    assert rl.wait_sample(2, available=lambda: never("default"), timeout=0.2) is False
+    assert rl.wait_sample(2, available=lambda: never("own"), poll_s=0.001, timeout=0.2) is False
+    assert checks["default"] <= 6 and checks["own"] >= 3 * checks["default"]
+
+
 def _inserter(limiter: RateLimiter, total: int) -> None:
     for i in range(total):
         assert limiter.wait_insert(1, writer=0, timeout=30)

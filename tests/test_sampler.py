@@ -87,18 +87,78 @@ def test_every_group_is_either_trained_once_or_counted_stale(tmp_path_factory, v
     assert sampler.stale_groups == len(versions) - len(fresh)
 
 
-def test_each_groups_policy_versions_are_read_once_however_often_the_learner_checks(tmp_path, monkeypatch):
-    """A waiting learner checks for fresh groups every few milliseconds; a committed group never changes, so its
-    ``policy_version`` column is read from the store once, not on every check."""
-    storage = make_storage(tmp_path, [0, 1, 2])
-    read_rows = []
+def _count_column_reads(storage, monkeypatch) -> list[int]:
+    read_rows: list[int] = []
     read_column = storage.read_column
     monkeypatch.setattr(storage, "read_column", lambda key, rows: read_rows.extend(rows.tolist()) or
                         read_column(key, rows))
+    return read_rows
+
+
+def test_each_groups_policy_version_comes_from_its_commit_record_without_reading_data(tmp_path, monkeypatch):
+    """A waiting learner checks for fresh groups every few milliseconds; a group's oldest policy version is in
+    its commit record (the catalogue values), so no ``policy_version`` data is read at all."""
+    storage = make_storage(tmp_path, [0, 1, 2])
+    read_rows = _count_column_reads(storage, monkeypatch)
     sampler = FreshGroupSampler(num_groups=2, max_staleness=1)
     for _ in range(5):
         assert sampler.available_groups(storage) == 3
     storage.append_group(group(3, 4, 0))
-    sampler.consumer_version = 2  # groups of version 0 are now stale: retired without being read again
+    sampler.consumer_version = 2  # groups of version 0 are now stale: retired
+    assert sampler.available_groups(storage) == 2 and sampler.stale_groups == 2
+    assert read_rows == []
+
+
+def test_without_versions_in_the_catalogue_each_groups_column_is_read_once_however_often_it_checks(
+        tmp_path, monkeypatch):
+    storage = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS, catalog_columns={})
+    for gid, v in enumerate([0, 1, 2]):
+        storage.append_group(group(gid, 4, v))
+    read_rows = _count_column_reads(storage, monkeypatch)
+    sampler = FreshGroupSampler(num_groups=2, max_staleness=1)
+    for _ in range(5):
+        assert sampler.available_groups(storage) == 3
+    storage.append_group(group(3, 4, 0))
+    sampler.consumer_version = 2
     assert sampler.available_groups(storage) == 2 and sampler.stale_groups == 2
     assert sorted(read_rows) == list(range(16))
+
+
+def test_group_minimums_are_the_smallest_member_version_and_only_what_the_records_say(tmp_path):
+    storage = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS)
+    mixed = group(0, 4, 7)
+    mixed.set(("policy_version",), torch.tensor([9, 7, 8, 12]))  # members sampled with different versions
+    storage.append_group(mixed)
+    storage.append_group(group(1, 4, 3))
+    spans = storage.group_spans()
+    seqs = spans[:, 0].tolist()
+    assert storage.group_minimums("policy_version", seqs + [999]) == {seqs[0]: 7, seqs[1]: 3}  # 999: not live
+    assert storage.group_minimums(("next", "reward"), seqs) == {}  # floats: a sum is not the value
+
+
+def test_a_waiting_learner_reports_to_the_service_only_when_it_retired_groups(tmp_path):
+    """Groups retired as stale while the learner waits free the collectors' band, so they are reported at once;
+    a check that retired nothing sends nothing (it runs every millisecond of a wait)."""
+    from rbpipe.workers.learner import _RetiredWhileWaiting
+
+    class Service:  # what the learner's client sends to the service: recorded
+        def __init__(self):
+            self.reports = []
+
+        def report(self, **fields):
+            self.reports.append(fields)
+            return {}
+
+    storage = make_storage(tmp_path, [0, 0, 5])
+    sampler = FreshGroupSampler(num_groups=4, max_staleness=1)
+    service = Service()
+    on_wait = _RetiredWhileWaiting(service, sampler)
+    for _ in range(3):
+        sampler.available_groups(storage)
+        on_wait.publish_new()
+    assert service.reports == []
+    sampler.consumer_version = 3  # the two groups of version 0 turn stale
+    for _ in range(3):
+        sampler.available_groups(storage)
+        on_wait.publish_new()
+    assert [r["stale_groups"] for r in service.reports] == [2]

@@ -15,6 +15,9 @@ by the store, as class attributes, and checked in one place (:func:`is_group_sto
 * ``holds_reads``: ``hold(index)`` opens every file a later ``get(index)`` reads (raising
   :class:`~rbpipe.errors.StaleReadError` when the rows were evicted), so that a sampler can draw again
   instead of handing out rows an evictor may delete before the read.
+* ``group_minimums(key, seqs)``: each group's smallest value of a one-element integer column (the policy
+  version), from what the store already knows of it (its commit record), for the groups it can answer
+  without reading data; the sampler reads the column for the others.
 
 Any torchrl ``Storage`` that is not a ``GroupStore`` is written row range by row range (the grouping
 reserves the rows). ``GroupStorage`` (Arrow, Zarr) implements the protocol.
@@ -22,6 +25,7 @@ reserves the rows). ``GroupStorage`` (Arrow, Zarr) implements the protocol.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -41,6 +45,8 @@ class GroupStore(Protocol):
     def committed_member_ids(self) -> set[str]: ...
 
     def hold(self, index: torch.Tensor) -> None: ...
+
+    def group_minimums(self, key: Any, seqs: Sequence[int]) -> dict[int, int]: ...
 
 
 def is_group_store(storage: Any) -> bool:

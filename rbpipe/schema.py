@@ -42,28 +42,25 @@ def make_trajectory(
     collector_id: int,
     policy_version: int,
 ) -> TensorDict:
-    """Build one finished trajectory in the layout above."""
-    return TensorDict(
-        {
-            GROUP_KEY: torch.tensor([group_id], dtype=torch.int64),
-            "tokens": TensorDict(
-                prompt=prompt.reshape(1, -1).to(torch.int64),
-                response=response.reshape(1, -1).to(torch.int64),
-                batch_size=[1],
-            ),
-            "log_probs": TensorDict(
-                rollout=rollout_log_probs.reshape(1, -1).to(torch.float32), batch_size=[1]
-            ),
-            "next": TensorDict(
-                reward=torch.tensor([[reward]], dtype=torch.float32),
-                done=torch.ones(1, 1, dtype=torch.bool),
-                batch_size=[1],
-            ),
-            COLLECTOR_KEY: torch.tensor([collector_id], dtype=torch.int64),
-            VERSION_KEY: torch.tensor([policy_version], dtype=torch.int64),
-        },
-        batch_size=[1],
-    )
+    """Build one finished trajectory in the layout above.
+
+    Every leaf is ``[1, ...]`` by construction, so the TensorDicts skip the constructor's checks: a collector
+    builds one per sample, and the checked constructor cost ~60 us of each (~40 us more than this)."""
+    one = torch.Size([1])
+
+    def td(fields: dict) -> TensorDict:
+        return TensorDict._new_unsafe(fields, batch_size=one)
+
+    return td({
+        GROUP_KEY: torch.tensor([group_id], dtype=torch.int64),
+        "tokens": td({"prompt": prompt.reshape(1, -1).to(torch.int64),
+                      "response": response.reshape(1, -1).to(torch.int64)}),
+        "log_probs": td({"rollout": rollout_log_probs.reshape(1, -1).to(torch.float32)}),
+        "next": td({"reward": torch.tensor([[reward]], dtype=torch.float32),
+                    "done": torch.ones(1, 1, dtype=torch.bool)}),
+        COLLECTOR_KEY: torch.tensor([collector_id], dtype=torch.int64),
+        VERSION_KEY: torch.tensor([policy_version], dtype=torch.int64),
+    })
 
 
 def _key_name(key) -> str:

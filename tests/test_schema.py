@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from rbpipe.errors import BadTrajectoryError
 from rbpipe.schema import make_trajectory, validate_trajectory
@@ -19,6 +22,27 @@ def good(**overrides):
 
 def test_a_good_trajectory_passes():
     validate_trajectory(good())
+
+
+@settings(max_examples=30, deadline=None)
+@given(prompt_len=st.integers(0, 6), response_len=st.integers(0, 6), reward=st.floats(-10, 10),
+       as_2d=st.booleans())
+def test_make_trajectory_builds_what_the_checked_tensordict_constructor_accepts(prompt_len, response_len, reward,
+                                                                                as_2d):
+    """``make_trajectory`` skips the constructor's checks (every leaf is [1, ...] by construction): rebuilding
+    its output with the checked constructor must accept it and give the same trajectory."""
+    prompt = torch.arange(prompt_len, dtype=torch.int32)
+    response = torch.arange(response_len)
+    out = make_trajectory(group_id=7, prompt=prompt.reshape(1, -1) if as_2d else prompt, response=response,
+                          rollout_log_probs=torch.zeros(response_len, dtype=torch.float64), reward=reward,
+                          collector_id=1, policy_version=4)
+    checked = TensorDict(out.to_dict(), batch_size=[1])
+    assert out.batch_size == checked.batch_size == torch.Size([1])
+    assert set(out.keys(True, True)) == set(checked.keys(True, True))
+    assert all(out.get(k).dtype == checked.get(k).dtype and out.get(k).shape[0] == 1 for k in checked.keys(True, True))
+    assert (out == checked).all()
+    assert out["tokens", "prompt"].dtype == torch.int64 and out["log_probs", "rollout"].dtype == torch.float32
+    validate_trajectory(out)
 
 
 def test_unfinished_trajectory():

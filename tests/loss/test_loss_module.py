@@ -239,6 +239,28 @@ def test_old_from_current_matches_recomputed_lp_old(setup):
         train_step(make_loss(actor, masking, old_from_current=True), opt, lazy)
 
 
+def test_the_loss_leaves_its_input_as_it_was_and_the_same_value_either_way(setup):
+    """torchrl's log-weight writes its current log-probs into the loss input; the loss removes them instead of
+    copying the input (every row of a lazy stack). A locked input, or one that holds the key already, is copied:
+    same value, input untouched."""
+    from rbpipe.loss.module import CUR_LOG_PROB
+
+    model, actor = setup
+    loss = make_loss(actor, LossConfig(rollout_is="token"), old_from_current=True)
+    batch = build_loss_batch(rows(model), actor=actor, recompute_old=False)
+    keys = set(batch.keys(True, True))
+    value = loss(batch)["loss_objective"].detach()
+    assert set(batch.keys(True, True)) == keys and CUR_LOG_PROB not in batch.keys()
+    batch.lock_()
+    torch.testing.assert_close(loss(batch)["loss_objective"].detach(), value)
+    batch.unlock_()
+    marker = [torch.full((row.get(("tokens", "full")).shape[-1],), 7.0) for row in batch.unbind(0)]
+    for row, m in zip(batch.tensordicts, marker, strict=True):
+        row.set(CUR_LOG_PROB, m)
+    torch.testing.assert_close(loss(batch)["loss_objective"].detach(), value)
+    assert all(torch.equal(row.get(CUR_LOG_PROB), m) for row, m in zip(batch.tensordicts, marker, strict=True))
+
+
 def test_missing_inputs_are_clear_errors(setup):
     model, actor = setup
     batch = build_loss_batch(rows(model), actor=actor)

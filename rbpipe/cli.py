@@ -373,6 +373,21 @@ def _run(args, given: set[str]) -> int:
     return 0 if summary["status"] in ("done", "stopped") else 1
 
 
+def exit_quietly_on_ctrl_c() -> None:
+    """``rbpipe run``/``serve`` is over (workers stopped, summary printed): a Ctrl-C from now on (the second of
+    a double Ctrl-C, say) ends the process at once, instead of a traceback from whichever interpreter-exit step
+    it lands in (torch's atexit hooks)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+
 def _worker(args) -> int:
     """``rbpipe collector|learner --connect``: the same loop ``rbpipe run`` spawns, attached from here."""
     import signal
@@ -488,6 +503,7 @@ def _export(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_program = argv is None  # the `rbpipe` command itself (a caller passing argv keeps its own signal handlers)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -499,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("run", "serve"):
             argv = sys.argv[1:] if argv is None else argv
             sub_parser = parser.run_parser if args.command == "run" else parser.serve_parser
-            return _run(args, explicit_options(sub_parser, argv[argv.index(args.command) + 1:]))
+            try:
+                return _run(args, explicit_options(sub_parser, argv[argv.index(args.command) + 1:]))
+            finally:
+                if as_program:
+                    exit_quietly_on_ctrl_c()
         return handlers[args.command](args)
     except RbpipeError as err:
         print(f"rbpipe {args.command}: error: {err}", file=sys.stderr)

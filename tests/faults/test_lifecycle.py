@@ -169,3 +169,20 @@ def check_groups(run_dir: Path) -> None:
         expected = (returns - returns.mean()) / returns.std().clamp_min(1e-6)
         torch.testing.assert_close(torch.tensor(g["advantages"], dtype=torch.float64), expected,
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_after_the_run_ended_exits_quietly_and_keeps_the_output():
+    """The second SIGINT of a double Ctrl-C can land while the finished `rbpipe run` is already in interpreter
+    exit (an atexit hook of torch): it must end the process with 130, keep what was printed, and show no
+    traceback. Here the SIGINT is sent from an atexit hook, where the test above once caught it."""
+    code = ("import atexit, os, signal, time\n"
+            "import torch  # its atexit hooks, as in rbpipe run\n"
+            "from rbpipe.cli import exit_quietly_on_ctrl_c\n"
+            "print('the summary table')\n"
+            "exit_quietly_on_ctrl_c()\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(10)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 130, done.stderr
+    assert "the summary table" in done.stdout
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr

@@ -417,7 +417,9 @@ class GroupStorage(Storage):
         group's oldest policy version; reading the column for them was ~1 ms of every learner step.
 
         Groups whose record does not carry it (no catalogue column sums ``key``, or the group is not live) are
-        left out: read those with :meth:`read_column`. Like ``read_column``, against the last refresh."""
+        left out: read those with :meth:`read_column`. Like ``read_column``, against the last refresh. The
+        records' catalogue names are read with this handle's ``catalog_columns``: open every handle of a store
+        with the same ones (rbpipe's processes all use the defaults)."""
         key = key_tuple(key)
         col = self._schema.by_key.get(key) if self._schema else None
         if col is None or col.ragged or int(np.prod(col.shape)) != 1 or col.np_dtype.kind not in "iu":

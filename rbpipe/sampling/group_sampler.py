@@ -91,17 +91,18 @@ class FreshGroupSampler(Sampler):
         commit record where the store keeps it there (``group_minimums``), else by reading its column (a
         learner that waits checks every few milliseconds; reading every fresh group's column each time cost
         ~0.6 ms a check on the demo run, reading each new group's ~1 ms a step)."""
-        new = [int(seq) for seq in spans[:, 0].tolist() if int(seq) not in self._oldest]
+        seqs = [int(seq) for seq in spans[:, 0].tolist()]
+        new = [seq for seq in seqs if seq not in self._oldest]
         if new:
             if is_group_store(storage):
                 self._oldest.update(storage.group_minimums(self.version_key, new))
-            unread = [i for i, seq in enumerate(spans[:, 0].tolist()) if int(seq) not in self._oldest]
+            unread = [i for i, seq in enumerate(seqs) if seq not in self._oldest]
             if unread:
                 self._read_oldest(storage, spans[unread])
-            if len(self._oldest) > 2 * spans.shape[0] + 64:  # evicted or (consume=False) long-passed groups
-                live = set(spans[:, 0].tolist())
+            if len(self._oldest) > 2 * len(seqs) + 64:  # evicted or (consume=False) long-passed groups
+                live = set(seqs)
                 self._oldest = {seq: v for seq, v in self._oldest.items() if seq in live}
-        return torch.tensor([self._oldest[int(seq)] for seq in spans[:, 0].tolist()], dtype=torch.int64)
+        return torch.tensor([self._oldest[seq] for seq in seqs], dtype=torch.int64)
 
     def _read_oldest(self, storage: Storage, fresh: torch.Tensor) -> None:
         lengths = fresh[:, 2] - fresh[:, 1]

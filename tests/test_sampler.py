@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,8 +25,8 @@ def group(gid: int, size: int, version: int):
     return out
 
 
-def make_storage(tmp_path, versions: list[int], size: int = 4) -> ArrowStorage:
-    storage = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS)
+def make_storage(tmp_path, versions: list[int], size: int = 4, catalog_columns=None) -> ArrowStorage:
+    storage = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS, catalog_columns=catalog_columns)
     for gid, v in enumerate(versions):
         storage.append_group(group(gid, size, v))
     return storage
@@ -87,41 +88,25 @@ def test_every_group_is_either_trained_once_or_counted_stale(tmp_path_factory, v
     assert sampler.stale_groups == len(versions) - len(fresh)
 
 
-def _count_column_reads(storage, monkeypatch) -> list[int]:
+@pytest.mark.parametrize("catalog_columns, column_rows_read", [(None, []), ({}, list(range(16)))],
+                         ids=["versions-in-commit-records", "catalogue-without-versions"])
+def test_each_groups_policy_version_is_found_once_however_often_the_learner_checks(tmp_path, monkeypatch,
+                                                                                 catalog_columns, column_rows_read):
+    """A waiting learner checks for fresh groups every few milliseconds. A group's oldest policy version is in its
+    commit record (the catalogue values), so no ``policy_version`` data is read at all; a store whose catalogue
+    leaves the versions out has each group's column read once, not on every check."""
+    storage = make_storage(tmp_path, [0, 1, 2], catalog_columns=catalog_columns)
     read_rows: list[int] = []
     read_column = storage.read_column
     monkeypatch.setattr(storage, "read_column", lambda key, rows: read_rows.extend(rows.tolist()) or
                         read_column(key, rows))
-    return read_rows
-
-
-def test_each_groups_policy_version_comes_from_its_commit_record_without_reading_data(tmp_path, monkeypatch):
-    """A waiting learner checks for fresh groups every few milliseconds; a group's oldest policy version is in
-    its commit record (the catalogue values), so no ``policy_version`` data is read at all."""
-    storage = make_storage(tmp_path, [0, 1, 2])
-    read_rows = _count_column_reads(storage, monkeypatch)
     sampler = FreshGroupSampler(num_groups=2, max_staleness=1)
     for _ in range(5):
         assert sampler.available_groups(storage) == 3
     storage.append_group(group(3, 4, 0))
     sampler.consumer_version = 2  # groups of version 0 are now stale: retired
     assert sampler.available_groups(storage) == 2 and sampler.stale_groups == 2
-    assert read_rows == []
-
-
-def test_without_versions_in_the_catalogue_each_groups_column_is_read_once_however_often_it_checks(
-        tmp_path, monkeypatch):
-    storage = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS, catalog_columns={})
-    for gid, v in enumerate([0, 1, 2]):
-        storage.append_group(group(gid, 4, v))
-    read_rows = _count_column_reads(storage, monkeypatch)
-    sampler = FreshGroupSampler(num_groups=2, max_staleness=1)
-    for _ in range(5):
-        assert sampler.available_groups(storage) == 3
-    storage.append_group(group(3, 4, 0))
-    sampler.consumer_version = 2
-    assert sampler.available_groups(storage) == 2 and sampler.stale_groups == 2
-    assert sorted(read_rows) == list(range(16))
+    assert sorted(read_rows) == column_rows_read
 
 
 def test_group_minimums_are_the_smallest_member_version_and_only_what_the_records_say(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict, lazy_stack
 
 from rbpipe.errors import ConfigError
 from rbpipe.loss import (
@@ -19,6 +20,7 @@ from rbpipe.loss import (
     rollout_importance_weights,
     train_policy_metrics,
 )
+from rbpipe.loss.batch import row_sums
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -200,3 +202,17 @@ def test_one_sided_threshold_is_a_config_error():
     with pytest.raises(ConfigError, match="both"):
         rollout_importance_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
                                    level="token", mode="truncate", lower=0.5, upper=None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 7), min_size=1, max_size=12), seed=st.integers(0, 2**16))
+def test_row_sums_equal_each_rows_own_sum_for_lazy_stacks_and_stored_columns(lengths, seed):
+    """The learner's group fingerprints use these sums: a lazy stack of rows (what the learner samples) and a
+    stored ragged column (one nested tensor) must both give exactly each row's sum, empty rows included."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(-50, 50, (n,), generator=gen) for n in lengths]
+    expected = torch.tensor([int(r.sum()) for r in rows], dtype=torch.int64)
+    lazy = lazy_stack([TensorDict({"tokens": r}) for r in rows])
+    column = TensorDict({"tokens": torch.nested.nested_tensor(rows, layout=torch.jagged)}, batch_size=[len(rows)])
+    assert torch.equal(row_sums(lazy, "tokens"), expected)
+    assert torch.equal(row_sums(column, "tokens"), expected)

@@ -124,7 +124,7 @@ def test_group_minimums_are_the_smallest_member_version_and_only_what_the_record
 def test_a_waiting_learner_reports_to_the_service_only_when_it_retired_groups(tmp_path):
     """Groups retired as stale while the learner waits free the collectors' band, so they are reported at once;
     a check that retired nothing sends nothing (it runs every millisecond of a wait)."""
-    from rbpipe.workers.learner import _RetiredWhileWaiting
+    from rbpipe.workers.learner import _Reports
 
     class Service:  # what the learner's client sends to the service: recorded
         def __init__(self):
@@ -134,16 +134,19 @@ def test_a_waiting_learner_reports_to_the_service_only_when_it_retired_groups(tm
             self.reports.append(fields)
             return {}
 
+        def collectors_timing(self):
+            return {}
+
     storage = make_storage(tmp_path, [0, 0, 5])
     sampler = FreshGroupSampler(num_groups=4, max_staleness=1)
     service = Service()
-    on_wait = _RetiredWhileWaiting(service, sampler)
+    on_wait = _Reports(service, sampler, None, run=lambda fn, *args, **kwargs: fn(*args, **kwargs))
     for _ in range(3):
         sampler.available_groups(storage)
-        on_wait.publish_new()
+        on_wait.retired_while_waiting()
     assert service.reports == []
     sampler.consumer_version = 3  # the two groups of version 0 turn stale
     for _ in range(3):
         sampler.available_groups(storage)
-        on_wait.publish_new()
+        on_wait.retired_while_waiting()
     assert [r["stale_groups"] for r in service.reports] == [2]

@@ -9,6 +9,7 @@ import copy
 import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
 
+from rbpipe.background import BackgroundJobs, snapshot
 from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
 from rbpipe.errors import RbpipeError
@@ -108,30 +110,30 @@ def _train(client: LearnerClient) -> None:
         truncate_metrics(run_dir / METRICS, step)  # steps past it are trained again (a restarted learner's too)
     sampler.consumer_version = step
     client.publish(model, step)
-    client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0)
-    _publish_progress(client, sampler)
+    # the consumed groups are what the rate limit (the collectors' flow control) reads
+    client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0, **_progress(sampler))
     parallel_available()  # compile (or load from numba's disk cache) the group-copy kernels in their own phase
     client.report(phase=LEARNER_READY)
     t0 = time.time()
     recent: list[float] = []
     saved = step
 
-    def checkpoint() -> None:
+    def checkpoint() -> None:  # written beside the next steps (a copy: training goes on updating in place)
         nonlocal saved
-        save_checkpoint(run_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                  "sampler": sampler.state_dict(), "step": step,
-                                  **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})})
+        jobs.submit(save_checkpoint, run_dir, snapshot({
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+            "step": step, **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})}))
         saved = step
 
-    retired = _RetiredWhileWaiting(client, sampler)
-    collectors_mark = client.collectors_timing()
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
-    with MetricsSink(run_dir, cfg.logger, start_step=step) as sink:
+    # the sink closes after the jobs that write to it: files, in step order, then the checkpoint after them
+    with MetricsSink(run_dir, cfg.logger, start_step=step) as sink, BackgroundJobs() as jobs:
+        reports = _Reports(client, sampler, sink, jobs.submit)
         while step < cfg.steps and not client.stop_requested():
             waited_from = time.perf_counter()
             # stale groups retired while waiting are published at once: they free the collectors
             if not limiter.wait_sample(cfg.groups_per_step, lambda: sampler.available_groups(storage),
-                                       stop_event=client, on_wait=retired.publish_new, poll_s=WAIT_POLL_S):
+                                       stop_event=client, on_wait=reports.retired_while_waiting, poll_s=WAIT_POLL_S):
                 break
             sample_from = time.perf_counter()
             data_wait = sample_from - waited_from
@@ -144,40 +146,36 @@ def _train(client: LearnerClient) -> None:
             step += 1
             sampler.consumer_version = step
             client.publish(model, step)
-            collectors_now = _publish_progress(client, sampler, step=step)
             now = time.perf_counter()
             busy_fraction = (trained_at - busy_start) / max(now - last_end, 1e-9)
             last_end = now
             reward = rows.get(REWARD_KEY).float()
-            trained = _group_fingerprints(rows)
-            spent = {k: collectors_now[k] - collectors_mark[k] for k in collectors_now}
-            collectors_mark = collectors_now
             record: dict[str, Any]
             record = {"step": step, "time_s": round(time.time() - t0, 4),
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
-                      "groups_consumed": sampler.consumed_groups, "trained_groups": trained,
+                      "groups_consumed": sampler.consumed_groups, "trained_groups": None,  # None: see _Reports
                       "stale_groups": sampler.stale_groups,
                       "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
                       "learner/policy_lag_max": float(lag.max()),
                       "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups
                       "learner/train_s": trained_at - busy_start,  # loss batch, loss, backward, optimizer
                       "learner/sample_s": busy_start - sample_from,  # reading the drawn groups from the store
-                      "learner/publish_s": now - trained_at,  # weights and progress to the service
+                      "learner/publish_s": now - trained_at,  # the new weights, to the collectors
                       # collectors' seconds since the last step (all collectors together): blocked on the rate
                       # limit, generating, handing trajectories over to the shared buffer
-                      "learner/collectors_rate_limited_s": spent["rate_limited_s"],
-                      "collectors/generate_s": spent["generate_s"], "collectors/handover_s": spent["handover_s"],
+                      "learner/collectors_rate_limited_s": None, "collectors/generate_s": None,
+                      "collectors/handover_s": None,
                       **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
-            sink.log(record)
+            reports.step_done(record, rows)
             recent = (recent + [record["reward_mean"]])[-10:]
             reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or reached:
                 checkpoint()
             if reached:
                 break
-    if step != saved:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
-        checkpoint()
-    client.report(done=1)
+        if step != saved:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
+            checkpoint()
+    client.report(done=1)  # every metrics line and the last checkpoint are on disk
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -198,25 +196,44 @@ def truncate_metrics(path: Path, step: int) -> None:
         atomic_write(path, "".join(keep), fsync=False)
 
 
-def _publish_progress(client: LearnerClient, sampler: FreshGroupSampler, **fields: Any) -> dict[str, float]:
-    """What the rate limit (the collectors' flow control) and the service's summary read; returns the
-    collectors' timing so far (one round trip per step for both)."""
-    return client.report(consumed_groups=sampler.consumed_groups, stale_groups=sampler.stale_groups,
-                         stale_trajectories=sampler.stale_trajectories, **fields)
+def _progress(sampler: FreshGroupSampler) -> dict[str, int]:
+    return {"consumed_groups": sampler.consumed_groups, "stale_groups": sampler.stale_groups,
+            "stale_trajectories": sampler.stale_trajectories}
 
 
-class _RetiredWhileWaiting:
-    """``on_wait`` of the learner's wait for groups: publishes groups retired as stale meanwhile (they free the
-    collectors' band) when there are any, instead of a round trip to the service at every check."""
+class _Reports:
+    """What follows a learner step, sent through ``run`` (the bookkeeping thread's ``submit``) so that the next
+    step trains meanwhile: the progress report to the service (a round trip, ~1 ms; it returns the
+    collectors' timing), the group fingerprints and the metrics line (~1.5 ms). ``run`` keeps their order.
 
-    def __init__(self, client: LearnerClient, sampler: FreshGroupSampler) -> None:
-        self.client, self.sampler = client, sampler
+    While the learner waits for groups it reports only when groups were retired as stale (they free the
+    collectors' band), not at every check."""
+
+    def __init__(self, client: LearnerClient, sampler: FreshGroupSampler, sink: MetricsSink | None,
+                 run: Callable[..., None]) -> None:
+        self.client, self.sampler, self.sink, self.run = client, sampler, sink, run
+        self.collectors_mark = client.collectors_timing()
         self.published = sampler.stale_groups
 
-    def publish_new(self) -> None:
+    def retired_while_waiting(self) -> None:
         if self.sampler.stale_groups != self.published:
             self.published = self.sampler.stale_groups
-            _publish_progress(self.client, self.sampler)
+            self.run(self.client.report, **_progress(self.sampler))
+
+    def step_done(self, record: dict[str, Any], rows) -> None:
+        """``record``'s ``None`` fields are filled in on the thread, in place (the keys keep their order)."""
+        self.published = self.sampler.stale_groups
+        self.run(self._finish, record, rows, {**_progress(self.sampler), "step": record["step"]})
+
+    def _finish(self, record: dict[str, Any], rows, progress: dict[str, int]) -> None:
+        now = self.client.report(**progress)
+        spent = {k: now[k] - self.collectors_mark[k] for k in now}
+        self.collectors_mark = now
+        record.update({"learner/collectors_rate_limited_s": spent["rate_limited_s"],
+                       "collectors/generate_s": spent["generate_s"], "collectors/handover_s": spent["handover_s"],
+                       "trained_groups": _group_fingerprints(rows)})
+        if self.sink is not None:
+            self.sink.log(record)
 
 
 def _group_fingerprints(rows) -> list[list[int]]:

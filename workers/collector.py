@@ -19,7 +19,7 @@ import torch
 from rbpipe.clients import CollectorClient
 from rbpipe.demo.policy import sample_batch
 from rbpipe.errors import BadTrajectoryError
-from rbpipe.procs import run_worker
+from rbpipe.procs import run_worker, settle_heap
 from rbpipe.schema import make_trajectory
 
 #: How long one ask waits for prompts to open while the rate limit holds them back (the service answers as soon
@@ -29,7 +29,8 @@ TAKE_WAIT_S = 0.1
 
 def run_collector(target: str | Path, collector_id: int | None = None, *, task: str | None = None,
                   model: str | None = None, authkey_file: str | None = None, log=print, announce: bool = True) -> None:
-    """Generate and hand over work units until the service asks its workers to stop."""
+    """Generate and hand over work units until the service asks its workers to stop. It tunes its process
+    for the loop: one torch thread, and :func:`rbpipe.procs.settle_heap` (garbage collection) once set up."""
     torch.set_num_threads(1)  # one core per process; avoids oversubscription on small machines
     client = CollectorClient(target, authkey_file=authkey_file, collector_id=collector_id, task=task, model=model)
     try:
@@ -41,6 +42,7 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
                                             + zlib.crc32(client.lease.encode()))  # a restart samples anew
         if announce:
             log(f"[collector {client.collector_id}] attached to {client.run_dir}")
+        settle_heap()
         while not client.stop_requested():
             # a learner step's worth of prompts at once (one unit of each): generated in one batch and handed
             # over in one call, so a step's groups are ready one generation + one hand-over after the band moves

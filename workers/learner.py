@@ -26,7 +26,7 @@ from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.loss.batch import row_sums
 from rbpipe.metrics_log import MetricsSink
-from rbpipe.procs import run_worker
+from rbpipe.procs import run_worker, settle_heap
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
@@ -69,7 +69,10 @@ def run_learner(target: str | Path, *, authkey_file: str | None = None, model: s
     """Attach to the service at ``target`` as its learner and train until its ``steps`` (or target reward).
 
     ``restarted``: this process replaces a learner that died (a learner actor restarted by Ray): it waits for
-    the dead one's lease to expire instead of being refused the learner role, then resumes from the checkpoint."""
+    the dead one's lease to expire instead of being refused the learner role, then resumes from the checkpoint.
+
+    It tunes its process for the loop: one torch thread, and :func:`rbpipe.procs.settle_heap` (garbage
+    collection) once set up."""
     torch.set_num_threads(1)
     client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task, wait_for_role=restarted)
     try:
@@ -113,6 +116,7 @@ def _train(client: LearnerClient) -> None:
     # the consumed groups are what the rate limit (the collectors' flow control) reads
     client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0, **_progress(sampler))
     parallel_available()  # compile (or load from numba's disk cache) the group-copy kernels in their own phase
+    settle_heap()
     client.report(phase=LEARNER_READY)
     t0 = time.time()
     recent: list[float] = []

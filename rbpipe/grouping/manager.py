@@ -21,7 +21,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
-from rbpipe.procs import die_with_parent, worker_context
+from rbpipe.procs import die_with_parent, settle_heap, worker_context
 from rbpipe.service_api import COORDINATOR_EXPOSED
 
 if TYPE_CHECKING:
@@ -224,6 +224,7 @@ def _init_manager_process(owner: int | None = None) -> None:
     if owner is not None:
         # polling only (no PR_SET_PDEATHSIG): a library caller may start the manager from a thread that ends first
         die_with_parent(owner, poll_s=OWNER_POLL_S, deathsig=False, on_exit=_clean_up)
+    settle_heap()  # the registries this process serves are small next to the modules it imported
 
 
 def start_manager(*, address: tuple[str, int] | str | None = None, authkey: bytes | None = None) -> GroupingManager:

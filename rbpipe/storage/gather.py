@@ -7,7 +7,9 @@ torch's OpenMP threads. This module copies every range of every column in one pa
 hundred microseconds does not pay a thread wake-up each time; a sleeping pool cost ~85 us per wake-up on
 the 2-vCPU VMs this was measured on, more than the copy saves).
 
-The numpy path (one ``np.concatenate`` per field) is used instead when numba is not installed, when numba
+The numpy path (one ``np.concatenate`` per field) is used instead when the process runs torch on one thread
+(one copy thread: numpy copies as fast, 1.07 against 1.08-1.12 ms for 64 demo rows, and importing numba's
+kernels took 0.6-1.0 s of a learner's start-up), when numba is not installed, when numba
 ended up on its ``workqueue`` layer (sleeping workers), in a forked child of the process that started the
 threads (GNU OpenMP is not fork-safe), and when ``RBPIPE_PARALLEL_GATHER=0``. Both paths return the same
 bytes (``tests/storage/test_gather.py``). ``pad_ragged`` fills the rows of ``ragged_layout="padded"`` reads
@@ -46,7 +48,7 @@ def _env_enabled() -> bool:
 
 def _kernels():
     """The kernels module, imported and warmed once per process; None where the parallel path is off."""
-    if not _env_enabled():
+    if not _env_enabled() or torch.get_num_threads() < 2:
         return None
     if _state["pid"] != os.getpid():
         _load()

@@ -33,6 +33,7 @@ from rbpipe.config import RunConfig
 from rbpipe.demo.policy import build_learner_actor, build_model, sample_batch
 from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
+from rbpipe.procs import settle_heap
 from rbpipe.schema import GROUP_KEY, REWARD_KEY, make_trajectory
 
 
@@ -50,6 +51,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int, lag: int = 0) -> dict
     grouping = MCAdvantage(grpo_size=cfg.grpo_size, prompt_key=GROUP_KEY, trajectory_return="sum")
     task = CopyFirstDigitTask(seed=cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
+    settle_heap()  # the garbage-collection settings rbpipe's workers run with: ours is not ahead by them
     t0, index, recent = time.time(), 0, []
     for step in range(1, max_steps + 1):
         if lag:

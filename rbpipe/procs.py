@@ -216,13 +216,13 @@ GC_YOUNG_THRESHOLD = 10_000
 
 
 def settle_heap() -> None:
-    """End of a worker's start-up: collect once, then keep what start-up built (modules, the model, compiled
-    kernels) out of every later garbage collection (``gc.freeze``), and collect the young generation less
+    """End of a worker's start-up: keep what start-up built (modules, the model, compiled kernels) out of
+    every later garbage collection (``gc.freeze``; without a collection first, which walks that heap too:
+    0.3 s, and what it would free is start-up's few garbage objects), and collect the young generation less
     often. A full collection otherwise walks that whole heap: ~300 ms each, three in a 10 s demo run of the
     learner, stalling the step it lands in (in a collector or the manager: the learner, waiting for its
     groups). Measured on the demo learner: 1.05 s of a 10.5 s run in collections (three full ones: 0.89 s);
     frozen, 0.33 s in 200 steps (1,120 young collections); with the threshold too, 0.05 s (11)."""
-    gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 

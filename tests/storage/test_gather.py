@@ -23,6 +23,17 @@ from rbpipe.errors import ConfigError
 from rbpipe.storage import ArrowStorage, ZarrStorage, gather
 
 BACKENDS = [ArrowStorage, ZarrStorage]
+
+
+@pytest.fixture(autouse=True)
+def _two_torch_threads():
+    """The parallel path copies on torch's threads, and a process with one reads with numpy (the learner's
+    setting, which an earlier test in this process may have left): these tests run with at least two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
 FIXED = [torch.bool, torch.int8, torch.int64, torch.bfloat16, torch.float32, torch.complex64]
 RAGGED = [torch.int64, torch.float32, torch.float16, torch.uint8]
 

@@ -131,13 +131,17 @@ def step_counts(loss_module: RbpipeGRPOLoss, batch: TensorDictBase) -> dict[str,
     """The step's global aggregation constants: valid tokens and sequences after rollout-IS masking, and the
     ``seq-mean-token-sum-norm`` constant (``agg_norm``, by default the generation budget ``max_new_tokens``;
     only a config with neither falls back to the max response length of the step)."""
-    if loss_module.old_from_current and loss_module.needs_old_for_mask:
-        raise ConfigError("rollout-IS masking/veto needs lp_old before the forward pass: build the batch with "
-                          "recompute_old=True and the loss with old_from_current=False")
+    _check_counts_possible(loss_module)
     response = _response_mask(batch)
     _, loss_mask, _ = loss_module.loss_masks(batch, response)
     norm = loss_module.cfg.agg_norm or float(response.sum(-1).max().clamp_min(1))
     return {"num_tokens": float(loss_mask.sum()), "num_seqs": float(loss_mask.any(-1).sum()), "norm": norm}
+
+
+def _check_counts_possible(loss_module: RbpipeGRPOLoss) -> None:
+    if loss_module.old_from_current and loss_module.needs_old_for_mask:
+        raise ConfigError("rollout-IS masking/veto needs lp_old before the forward pass: build the batch with "
+                          "recompute_old=True and the loss with old_from_current=False")
 
 
 def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, batch: TensorDictBase, *,
@@ -152,11 +156,13 @@ def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, ba
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
     n = batch.shape[0]
-    counts = step_counts(loss_module, batch)
+    bounds = torch.linspace(0, n, min(micro_batches, n) + 1).round().long().tolist()
+    _check_counts_possible(loss_module)
+    # one micro-batch is the whole step: its own counts are the global ones (a second masking pass cost ~2 ms)
+    counts = step_counts(loss_module, batch) if len(bounds) > 2 else {}
     optimizer.zero_grad(set_to_none=True)
     acc = MetricsAccumulator()
     totals: dict[str, float] = {}
-    bounds = torch.linspace(0, n, min(micro_batches, n) + 1).round().long().tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         out = loss_module(batch[a:b], **counts)
         terms = [k for k in out.keys() if k.startswith("loss_")]
@@ -164,6 +170,7 @@ def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, ba
         for k in terms:
             totals[k] = totals.get(k, 0.0) + float(out.get(k).detach())
         acc.merge(loss_module.last_metrics)
+    counts = counts or loss_module.last_counts
     metrics = {**acc.result(), **totals, "loss": sum(totals.values()),
                "valid_tokens": counts["num_tokens"], "valid_sequences": counts["num_seqs"]}
     if max_grad_norm is not None:

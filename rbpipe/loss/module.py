@@ -182,6 +182,7 @@ class RbpipeGRPOLoss(GRPOLoss):
                 out["loss_kl_to_ref"] = cfg.kl_coef * aggregate(kl, loss_mask, cfg.loss_agg_mode, **agg)
             acc.mean("kl_to_ref", torch.where(loss_mask, kl.detach(), 0.0).sum(), n_valid)
         self.last_metrics = acc
+        self.last_counts = {"num_tokens": float(n_valid), "num_seqs": float(loss_mask.any(-1).sum())}
         out.update({k: torch.tensor(v) for k, v in acc.result().items()})
         return TensorDict(out)
 

@@ -22,7 +22,7 @@ from rbpipe.loss import (
     make_loss,
     train_step,
 )
-from rbpipe.loss.batch import _response_mask
+from rbpipe.loss.batch import _response_mask, step_counts
 from rbpipe.schema import make_trajectory
 
 
@@ -85,6 +85,27 @@ def test_gradient_accumulation_equals_one_batch(setup, ref_actor, mode, rich):
         assert m_parts[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     if rich:
         assert 0 < m_one["valid_tokens"] < _response_mask(batch).sum().item()  # IS masking took tokens out
+
+
+def test_the_learners_one_micro_batch_counts_equal_the_global_pass(setup):
+    """The learner's configuration (lp_old from the current pass, token-level rollout IS on) with one
+    micro-batch takes the step's counts from its own forward pass instead of a second masking pass: the
+    counts, the gradient and every metric must equal those computed with the global pass (two micro-batches).
+    (Masking needs lp_old before the pass, so the learner recomputes it and the masked case is the test above.)"""
+    model, actor = setup
+    batch = build_loss_batch(rows(model, temperature=1.6), actor=actor, recompute_old=False)
+    loss = make_loss(actor, LossConfig(rollout_is="token", rollout_is_threshold=(0.5, 1.5)), old_from_current=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    one = train_step(loss, opt, batch)
+    g_one = grads(model)
+    two = train_step(loss, opt, batch, micro_batches=2)
+    for a, b in zip(g_one, grads(model), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for key, value in one.items():
+        assert two[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    counts = step_counts(loss, batch)
+    assert (one["valid_tokens"], one["valid_sequences"]) == (counts["num_tokens"], counts["num_seqs"])
+    assert one["valid_tokens"] == _response_mask(batch).sum().item()  # truncation keeps every token
 
 
 def test_response_mask_matches_torchrl(setup):

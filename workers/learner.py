@@ -115,7 +115,9 @@ def _train(client: LearnerClient) -> None:
     client.publish(model, step)
     # the consumed groups are what the rate limit (the collectors' flow control) reads
     client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0, **_progress(sampler))
-    parallel_available()  # compile (or load from numba's disk cache) the group-copy kernels in their own phase
+    # a learner with several torch threads compiles (or loads from numba's disk cache) its group-copy kernels in
+    # their own phase; with one (run_learner's) it reads with numpy and this returns at once
+    parallel_available()
     settle_heap()
     client.report(phase=LEARNER_READY)
     t0 = time.time()

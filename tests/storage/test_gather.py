@@ -23,6 +23,8 @@ from rbpipe.errors import ConfigError
 from rbpipe.storage import ArrowStorage, ZarrStorage, gather
 
 BACKENDS = [ArrowStorage, ZarrStorage]
+FIXED = [torch.bool, torch.int8, torch.int64, torch.bfloat16, torch.float32, torch.complex64]
+RAGGED = [torch.int64, torch.float32, torch.float16, torch.uint8]
 
 
 @pytest.fixture(autouse=True)
@@ -33,9 +35,6 @@ def _two_torch_threads():
     torch.set_num_threads(max(2, before))
     yield
     torch.set_num_threads(before)
-
-FIXED = [torch.bool, torch.int8, torch.int64, torch.bfloat16, torch.float32, torch.complex64]
-RAGGED = [torch.int64, torch.float32, torch.float16, torch.uint8]
 
 
 def _rand(shape, dtype, g):

@@ -24,7 +24,9 @@ class BackgroundJobs:
     A job that raises stops the ones after it (their order matters: a checkpoint must not land after a lost
     metrics line it covers); the error is raised again, in the submitting thread, by the next
     :meth:`submit`, :meth:`drain` or :meth:`close`. ``max_pending`` bounds the queue: a writer slower than
-    the loop slows the loop down instead of holding every step in memory.
+    the loop slows the loop down instead of holding every step in memory. (``ThreadPoolExecutor(1)`` also
+    runs jobs in order, but goes on after a failure, keeps it in a future nobody waits on, and queues without
+    bound.)
 
     Examples:
         >>> jobs = BackgroundJobs()

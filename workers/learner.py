@@ -31,7 +31,6 @@ from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage import collate_identity
-from rbpipe.storage.gather import parallel_available
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -115,10 +114,7 @@ def _train(client: LearnerClient) -> None:
     client.publish(model, step)
     # the consumed groups are what the rate limit (the collectors' flow control) reads
     client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0, **_progress(sampler))
-    # a learner with several torch threads compiles (or loads from numba's disk cache) its group-copy kernels in
-    # their own phase; with one (run_learner's) it reads with numpy and this returns at once
-    parallel_available()
-    settle_heap()
+    settle_heap()  # no kernels to compile: with one torch thread the learner reads groups with numpy
     client.report(phase=LEARNER_READY)
     t0 = time.time()
     recent: list[float] = []

@@ -157,9 +157,11 @@ def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, ba
         raise ConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
     n = batch.shape[0]
     bounds = torch.linspace(0, n, min(micro_batches, n) + 1).round().long().tolist()
-    _check_counts_possible(loss_module)
-    # one micro-batch is the whole step: its own counts are the global ones (a second masking pass cost ~2 ms)
-    counts = step_counts(loss_module, batch) if len(bounds) > 2 else {}
+    if len(bounds) > 2:
+        counts = step_counts(loss_module, batch)
+    else:  # one micro-batch is the whole step: its own counts are the global ones (a second pass cost ~2 ms)
+        _check_counts_possible(loss_module)
+        counts = {}
     optimizer.zero_grad(set_to_none=True)
     acc = MetricsAccumulator()
     totals: dict[str, float] = {}

@@ -1,7 +1,7 @@
 """torchrl ``GRPOLoss`` subclasses with rbpipe's objectives, rollout IS, KL types and metrics.
 
-torchrl still recomputes the current log-probs through the actor with its response mask
-(``_log_weight`` -> ``_get_cur_log_prob`` -> ``actor._get_sft_dist``); the objective, aggregation,
+torchrl's ``_log_weight`` still drives the current log-probs (``_get_cur_log_prob``: here from one padded
+forward pass, :mod:`rbpipe.loss.logprobs`, equal to ``actor._get_sft_dist``'s); the objective, aggregation,
 corrections and metrics come from :mod:`rbpipe.loss.functional`. One loss mask serves every term: tokens
 dropped by rollout-IS masking or veto leave the policy loss, the KL and entropy terms and the valid-token
 count alike; the IS weights multiply the policy loss only.
@@ -16,6 +16,7 @@ from torchrl.objectives.llm import DAPO, CISPOLoss, GRPOLoss
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.loss.config import LossConfig
 from rbpipe.loss.functional import aggregate, kl_penalty, policy_loss, rollout_importance_weights, train_policy_metrics
+from rbpipe.loss.logprobs import covers, sft_distribution
 from rbpipe.loss.metrics import MetricsAccumulator
 
 ROLLOUT_FULL_KEY = ("log_probs", "rollout_full")
@@ -70,6 +71,15 @@ class RbpipeGRPOLoss(GRPOLoss):
         object.__setattr__(self, "ref_actor", ref_actor)
         self.old_from_current = old_from_current
         self.last_metrics = MetricsAccumulator()
+
+    # -- torchrl hook: the current log-probs from one padded forward pass (rbpipe.loss.logprobs) --
+    def _get_cur_log_prob(self, tensordict: TensorDictBase):
+        if self.masking_strategy != "sft" or not covers(self.actor_network):
+            return super()._get_cur_log_prob(tensordict)
+        dist = sft_distribution(self.actor_network, tensordict)
+        action = tensordict.get(self.tensor_keys.action, as_padded_tensor=True, padding_side="left",
+                                padding_value=-100)
+        return dist.log_prob(action), dist, False
 
     # -- torchrl hook: anyone driving the parent's pipeline gets our objective (CISPO with stop-gradient) --
     def _compute_policy_objective(self, log_weight: torch.Tensor, advantage: torch.Tensor):

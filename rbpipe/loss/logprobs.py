@@ -27,14 +27,17 @@ def covers(actor) -> bool:
             and bool(actor.pad_model_input) and actor.input_key == TOKENS_FULL)
 
 
-def sft_distribution(actor, td: TensorDictBase) -> LLMMaskedCategorical:
+def sft_distribution(actor, td: TensorDictBase) -> LLMMaskedCategorical | None:
     """Next-token distributions over ``tokens.full`` (left-padded), masked to each row's response tokens.
 
     Position ``t`` holds the logits that predicted token ``t`` (position 0 and padding: zeros), as torchrl's
-    wrapper aligns them; the mask is the attention mask without each row's prompt."""
+    wrapper aligns them; the mask is the attention mask without each row's prompt. ``None`` when a row's
+    attention mask has gaps (the wrapper drops those positions: use its path); rbpipe's rows have none."""
     pad = actor.tokenizer.pad_token_id
     tokens = td.get(TOKENS_FULL, as_padded_tensor=True, padding_side="left", padding_value=pad)
     attention = td.get(ATTENTION_MASK, as_padded_tensor=True, padding_side="left", padding_value=False).bool()
+    if not (attention[:, 1:] >= attention[:, :-1]).all():  # not one run of True per row, ending at the right
+        return None
     logits = actor.model(tokens, attention)["logits"]
     logits = torch.cat([torch.zeros_like(logits[:, :1]), logits[:, :-1]], 1)
     logits = torch.where(attention.unsqueeze(-1), logits, 0.0)

@@ -74,9 +74,11 @@ class RbpipeGRPOLoss(GRPOLoss):
 
     # -- torchrl hook: the current log-probs from one padded forward pass (rbpipe.loss.logprobs) --
     def _get_cur_log_prob(self, tensordict: TensorDictBase):
-        if self.masking_strategy != "sft" or not covers(self.actor_network):
+        dist = None
+        if self.masking_strategy == "sft" and covers(self.actor_network):
+            dist = sft_distribution(self.actor_network, tensordict)
+        if dist is None:
             return super()._get_cur_log_prob(tensordict)
-        dist = sft_distribution(self.actor_network, tensordict)
         action = tensordict.get(self.tensor_keys.action, as_padded_tensor=True, padding_side="left",
                                 padding_value=-100)
         return dist.log_prob(action), dist, False

@@ -54,3 +54,12 @@ def test_an_actor_the_padded_pass_does_not_cover_goes_through_torchrls_wrapper(s
         padded = sft_distribution(packed, batch.copy()).log_prob(action)
     torch.testing.assert_close(used, wrapper, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(used, padded, rtol=1e-5, atol=1e-6), "the two passes must be told apart here"
+
+
+def test_rows_whose_attention_mask_has_gaps_are_left_to_torchrls_wrapper(setup):
+    model, actor = setup
+    batch = build_loss_batch(rows(model, prompts=2, per_prompt=2), actor=actor)
+    assert sft_distribution(actor, batch) is not None
+    batch[1].set(("masks", "all_attention_mask"), torch.tensor([True, False] + [True] * 10)[
+        : batch[1].get(("tokens", "full")).numel()])
+    assert sft_distribution(actor, batch) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 from torchrl.modules.distributions import LLMMaskedCategorical
+from torchrl.modules.llm import TransformersWrapper
 
 TOKENS_FULL = ("tokens", "full")
 TOKENS_PROMPT = ("tokens", "prompt")
@@ -21,8 +22,6 @@ ATTENTION_MASK = ("masks", "all_attention_mask")
 def covers(actor) -> bool:
     """Whether :func:`sft_distribution` computes what ``actor._get_sft_dist`` would: a Hugging Face model in
     torchrl's ``TransformersWrapper``, log-prob mode, token input, padded model input."""
-    from torchrl.modules.llm import TransformersWrapper
-
     return (isinstance(actor, TransformersWrapper) and actor.input_mode == "tokens" and not actor.generate
             and bool(actor.pad_model_input) and actor.input_key == TOKENS_FULL)
 

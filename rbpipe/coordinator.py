@@ -12,19 +12,19 @@ rate limiter's band allows (collectors' lead over the learner, :mod:`rbpipe.rate
 
 The learner reports its progress here (step, groups trained / retired, phase, done), which moves the band
 on and is what ``rbpipe serve`` and ``rbpipe run`` show and summarise. The prompts still owed are persisted
-whenever their total changes (``prompts.json``, written atomically), so a resumed service continues them.
+whenever their total changes (``prompts.json`` and its journal, :mod:`rbpipe.journal`: one appended line per
+hand-over), so a resumed service continues them, after a kill too.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from rbpipe.fsutil import atomic_write_json
 from rbpipe.grouping.leases import LEASES
+from rbpipe.journal import StateJournal
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
 from rbpipe.service_api import COORDINATOR_EXPOSED
 
@@ -87,7 +87,7 @@ class Coordinator:
                  expect_collectors: int = 1, registry=None, stats_cache_s: float = STATS_CACHE_S) -> None:
         self.samples_per_prompt = int(samples_per_prompt)
         self.unit_size = max(1, min(int(unit_size), self.samples_per_prompt))
-        self._state_path = Path(state_dir) / PROMPTS
+        self._state = StateJournal(Path(state_dir) / PROMPTS)
         self._registry = None if registry is None else CachedStats(registry, stats_cache_s)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # what a waiting take_many waits for: the band moved
@@ -115,9 +115,8 @@ class Coordinator:
     # -- persistence -------------------------------------------------------------------------------------------
     def _load(self) -> None:
         """A resumed service: the prompts still owed (units of workers of the last session return to the pool)."""
-        try:
-            state = json.loads(self._state_path.read_text())
-        except (OSError, ValueError):
+        state = self._state.load()
+        if state is None:
             return
         self.next_prompt = int(state.get("next_prompt", 0))
         self._pool = {int(p): int(n) for p, n in state.get("todo", {}).items() if int(n) > 0}
@@ -130,14 +129,18 @@ class Coordinator:
         return self._totals["dropped_groups"] + int(stats.get("dropped_groups", 0))
 
     def _save(self, fresh: bool = False) -> None:
+        self._state.save(self._share_out(fresh))
+
+    def _share_out(self, fresh: bool = False) -> dict:
+        """What a resumed service continues from: the next new prompt, the samples still owed, the counters."""
         todo = dict(self._pool)
         for (prompt, _), left in self._units.items():
             todo[prompt] = todo.get(prompt, 0) + left
         totals = {"produced": self._totals["produced"] + self._counts["produced"],
                   "rejected": self._totals["rejected"] + self._counts["rejected"],
                   "dropped_groups": self._dropped(fresh)}
-        atomic_write_json(self._state_path, {"next_prompt": self.next_prompt, "totals": totals,
-                                             "todo": {str(p): n for p, n in sorted(todo.items())}})
+        return {"next_prompt": self.next_prompt, "totals": totals,
+                "todo": {str(p): n for p, n in sorted(todo.items())}}
 
     # -- collectors --------------------------------------------------------------------------------------------
     def join(self, lease: str, collector_id: int | None = None) -> int:
@@ -400,8 +403,10 @@ class Coordinator:
         return self._stop
 
     def close(self) -> None:
+        """(The service, once its workers left.) Save the final share-out with fresh counters as ``prompts.json``
+        alone (the journal goes) and remove the band's file."""
         with self._lock:
-            self._save(fresh=True)
+            self._state.close(self._share_out(fresh=True))  # prompts.json alone holds the final state
         self._limiter.unlink()
 
 

@@ -20,6 +20,7 @@ import torch
 
 from rbpipe.coordinator import Coordinator
 from rbpipe.grouping.leases import LEASES
+from rbpipe.journal import load_state
 from rbpipe.schema import COLLECTOR_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY
 from tests.test_custom_task_model import stored_rows
 
@@ -74,7 +75,7 @@ def test_several_units_in_one_take_are_of_different_prompts_shared_with_the_othe
     assert coord.take_many(a, 3) == units  # one unit of each of 3 prompts, never two of one
     assert coord.take_many(b, 3) == units  # the other halves: every group mixes a and b
     coord.appended_many(a, {0: 2, 1: 2, 2: 2})  # a hands its three units over in one call
-    assert json.loads((tmp_path / "prompts.json").read_text())["todo"] == {"0": 2, "1": 2, "2": 2}
+    assert load_state(tmp_path / "prompts.json")["todo"] == {"0": 2, "1": 2, "2": 2}
     alone = LEASES.grant()
     LEASES.release(b)
     coord.join(alone)
@@ -135,7 +136,7 @@ def test_a_dead_collectors_unfinished_units_are_reissued_and_counted(tmp_path):
     assert coord.take(b) == {"prompt": 0, "samples": 1}  # the one sample a still owed, before any new prompt
     status = coord.status()
     assert status["lost_leases"] == 1 and status["reissued_samples"] == 1
-    assert json.loads((tmp_path / "prompts.json").read_text())["todo"] == {"0": 3}  # b's 2 + the reissued 1
+    assert load_state(tmp_path / "prompts.json")["todo"] == {"0": 3}  # b's 2 + the reissued 1
     coord.close()
 
 

@@ -8,6 +8,7 @@ Collectors and the learner attach to it through that file (:func:`rbpipe.endpoin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -163,6 +164,8 @@ class Service:
         for name in (ENDPOINT, AUTHKEY):
             (self.run_dir / name).unlink(missing_ok=True)
         if self.manager is not None:
+            with contextlib.suppress(Exception):  # the manager is gone: its last save is in the journal
+                self.coordinator.close()  # the final share-out and counters, in prompts.json alone
             try:
                 self.manager.shutdown()
             except Exception:  # noqa: BLE001 - already gone

@@ -41,8 +41,22 @@ def log_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / LOG_DIR
 
 
-def make_logger(kind: str, run_dir: str | os.PathLike, exp_name: str):
-    """A torchrl logger writing under ``RUN_DIR/logs/`` (offline for wandb and mlflow)."""
+def _resumed_tensorboard_logger(exp_name: str, log_dir: str, start_step: int):
+    """torchrl's ``TensorboardLogger`` whose writer purges the steps after ``start_step``: a resume trains them
+    again, and TensorBoard then shows the new session's values instead of both (``SummaryWriter(purge_step)``)."""
+    from torch.utils.tensorboard import SummaryWriter
+    from torchrl.record.loggers import TensorboardLogger
+
+    class ResumedTensorboardLogger(TensorboardLogger):
+        def _create_experiment(self) -> SummaryWriter:
+            return SummaryWriter(log_dir=os.path.join(self.log_dir, self.exp_name), purge_step=start_step + 1)
+
+    return ResumedTensorboardLogger(exp_name, log_dir=log_dir)
+
+
+def make_logger(kind: str, run_dir: str | os.PathLike, exp_name: str, start_step: int = 0):
+    """A torchrl logger writing under ``RUN_DIR/logs/`` (offline for wandb and mlflow). ``start_step``: the
+    checkpoint step a resumed run starts from (TensorBoard hides the previous session's later steps)."""
     check_logger(kind)
     root = log_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -51,6 +65,8 @@ def make_logger(kind: str, run_dir: str | os.PathLike, exp_name: str):
 
         return CSVLogger(exp_name, log_dir=str(root))
     if kind == "tensorboard":
+        if start_step:
+            return _resumed_tensorboard_logger(exp_name, str(root), start_step)
         from torchrl.record.loggers import TensorboardLogger
 
         return TensorboardLogger(exp_name, log_dir=str(root))
@@ -96,7 +112,7 @@ class MetricsSink:
         exp_name = exp_name or self.run_dir.resolve().name
         if kind == "csv":
             truncate_csv_logs(log_dir(run_dir) / exp_name, start_step)
-        self.logger = make_logger(kind, run_dir, exp_name)
+        self.logger = make_logger(kind, run_dir, exp_name, start_step)
         self._file = open(self.run_dir / METRICS, "a")
 
     def log(self, record: dict[str, Any]) -> None:

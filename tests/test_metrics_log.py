@@ -33,6 +33,20 @@ def test_tensorboard_event_files_load_with_the_loss_names_as_tags(tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]  # the machine-readable record stays
 
 
+def test_a_resumed_tensorboard_log_shows_each_step_once_with_its_new_value(tmp_path):
+    """A resume from the checkpoint of step 1 trains steps 2 and 3 again: TensorBoard must show the new values
+    (the old session's events past step 1 purged), not both."""
+    with MetricsSink(tmp_path, "tensorboard", exp_name="exp") as sink:
+        for r in RECORDS:
+            sink.log(r)
+    with MetricsSink(tmp_path, "tensorboard", exp_name="exp", start_step=1) as sink:
+        for r in RECORDS[1:]:
+            sink.log({**r, "reward_mean": 10.0 * r["step"]})
+    acc = EventAccumulator(str(tmp_path / "logs" / "exp"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.25), (2, 20.0), (3, 30.0)]
+
+
 def test_csv_logger_writes_one_file_per_scalar_and_a_resume_does_not_repeat_steps(tmp_path):
     with MetricsSink(tmp_path, "csv", exp_name="exp") as sink:
         for r in RECORDS:

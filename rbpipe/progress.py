@@ -8,6 +8,7 @@ phase and shows the figures that move: reward, clip fraction, KL and entropy.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 STARTING, COMPILING, FIRST_GROUPS, TRAINING, SUMMARY = ("starting processes", "compiling kernels", "first groups",
@@ -24,6 +25,18 @@ def phase(learner_phase: int, step: int, start_step: int) -> str:
     if learner_phase >= LEARNER_READY:
         return FIRST_GROUPS
     return COMPILING if learner_phase == LEARNER_COMPILING else STARTING
+
+
+def progress_bar(**kwargs: Any):
+    """A ``tqdm`` bar (``kwargs`` are tqdm's) whose write lock is a thread lock only. tqdm's default lock adds a
+    ``multiprocessing.RLock``, a named semaphore in /dev/shm that stays there for good when a run is SIGKILLed
+    whole (the resource tracker that would unlink it dies with it); rbpipe's bar is written by one process.
+    A lock a program set up before (its own bars) is kept."""
+    from tqdm import tqdm
+
+    if getattr(tqdm, "_lock", None) is None:
+        tqdm.set_lock(threading.RLock())
+    return tqdm(**kwargs)
 
 
 def _f(value: Any, fmt: str) -> str:

@@ -29,7 +29,7 @@ from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
 from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
-from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix
+from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar
 from rbpipe.progress import SUMMARY as WRITING_SUMMARY
 from rbpipe.report import (
     PLOT,
@@ -408,11 +408,9 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
                stop_request: StopRequest, *, progress: bool, log, ctx=None) -> str:
     """Watch the service (and ``rbpipe run``'s workers) until the learner finishes or a stop is requested;
     restart dead collectors with back-off."""
-    from tqdm import tqdm
-
     status = service.status()
     start_step = int(status["learner"]["step"])
-    bar = tqdm(total=cfg.steps, initial=start_step, desc=STARTING, unit="step", disable=not progress,
+    bar = progress_bar(total=cfg.steps, initial=start_step, desc=STARTING, unit="step", disable=not progress,
                dynamic_ncols=True)
     learner = workers[0] if workers else None
     tail = MetricsTail(run_dir / METRICS)

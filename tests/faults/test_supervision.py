@@ -156,7 +156,10 @@ def test_second_run_on_the_same_store_is_refused_naming_the_holder(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
+    """Every process of the run SIGKILLed at once (no resource tracker is left to clean up either): the resumed
+    run accounts for every trajectory, and nothing of either run stays in /dev/shm."""
     run_dir = tmp_path / "run"
+    shm_before = _shm()
     proc = start_run(run_dir, "--steps", "24")
     try:
         wait_for(lambda: learner_steps(run_dir) >= 12, 150, "12 learner steps (a checkpoint exists)")
@@ -179,3 +182,9 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     before = {g["group_id"] for g in committed}
     resumed_groups = [g for g in after if g["group_id"] not in before]
     assert resumed_groups and all(min(g["policy_versions"]) > 0 for g in resumed_groups)
+    assert _shm() - shm_before == set()  # e.g. a named semaphore (sem.mp-*) nobody could unlink after the kill
+
+
+def _shm() -> set[str]:
+    """Named semaphores and rbpipe's files in /dev/shm."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith(("sem.", "rbpipe"))}

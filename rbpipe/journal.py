@@ -56,9 +56,15 @@ def _latest(path: Path) -> dict | None:
         return best
     for line in lines[:-1]:  # the part after the last newline is empty, or a torn append
         record = _parse(line)
-        if record is not None and record[SEQ] > (best or {}).get(SEQ, -1):
+        if record is not None and record[SEQ] > _seq_of(best):
             best = record
     return best
+
+
+def _seq_of(state: dict | None) -> int:
+    """A state's number; -1 for none, or for a snapshot without one (written by hand, or by an older rbpipe)."""
+    seq = (state or {}).get(SEQ)
+    return seq if isinstance(seq, int) else -1
 
 
 def _read_json(path: Path) -> dict | None:
@@ -86,7 +92,7 @@ class StateJournal:
         compact_bytes: journal size past which the next save rewrites the snapshot and empties the journal.
 
     One process writes a state at a time (the coordinator is its service's only writer); any process may
-    :func:`load_state` it at any moment.
+    :func:`load_state` it at any moment. The key ``"seq"`` of a saved state is the journal's own.
 
     Examples:
         >>> import tempfile, pathlib
@@ -101,8 +107,7 @@ class StateJournal:
         self.path = Path(path)
         self.journal_path = self.path.parent / (self.path.name + JOURNAL_SUFFIX)
         self.compact_bytes = int(compact_bytes)
-        latest = _latest(self.path)
-        self._seq = int((latest or {}).get(SEQ, 0))
+        self._seq = max(0, _seq_of(_latest(self.path)))
         self._fd: int | None = None
         self._size = 0
 

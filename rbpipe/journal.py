@@ -6,13 +6,15 @@ writeback of the new one), about 2 ms per learner step in the grouping manager u
 to an open file costs ~1 us. So a state is kept as two files:
 
 * ``NAME`` (e.g. ``prompts.json``), a snapshot written atomically (:func:`rbpipe.fsutil.atomic_write`);
-* ``NAME.journal``, whole states appended one JSON line each, every line numbered (``"seq"``).
+* ``NAME.journal``, whole states appended one line each, in the commit log's checksummed line format
+  (:func:`rbpipe.storage.commitlog.encode`), every line numbered (``"seq"``).
 
 The state is the snapshot, or the journal's last whole line numbered above it. A process killed mid-append
-leaves at most a torn last line, which is skipped: the state before it wins, as with a rename that never
-happened. Once the journal passes ``compact_bytes``, and at :meth:`close`, the snapshot is rewritten and the
-journal emptied (a crash in between leaves journal lines numbered at or below the snapshot: ignored). Like the
-snapshot alone, nothing is fsynced: a power cut may lose the last moment, never make the state unreadable.
+leaves at most a torn last line, which fails its checksum and is skipped: the state before it wins, as with a
+rename that never happened. Once the journal passes ``compact_bytes``, and at :meth:`close`, the snapshot is
+rewritten and the journal emptied (a crash in between leaves journal lines numbered at or below the snapshot:
+ignored). Like the snapshot alone, nothing is fsynced: a power cut may lose the last moment, never make the
+state unreadable.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.fsutil import atomic_write_json
+from rbpipe.storage.commitlog import decode, encode
 
 #: the state's number in the snapshot and in each journal line
 SEQ = "seq"
@@ -55,8 +58,8 @@ def _latest(path: Path) -> dict | None:
     except FileNotFoundError:
         return best
     for line in lines[:-1]:  # the part after the last newline is empty, or a torn append
-        record = _parse(line)
-        if record is not None and record[SEQ] > _seq_of(best):
+        record = decode(line)
+        if isinstance(record, dict) and isinstance(record.get(SEQ), int) and record[SEQ] > _seq_of(best):
             best = record
     return best
 
@@ -69,19 +72,10 @@ def _seq_of(state: dict | None) -> int:
 
 def _read_json(path: Path) -> dict | None:
     try:
-        return _parse(path.read_bytes(), need_seq=False)
-    except FileNotFoundError:
+        record = json.loads(path.read_bytes())
+    except (FileNotFoundError, ValueError):
         return None
-
-
-def _parse(raw: bytes, need_seq: bool = True) -> dict | None:
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or (need_seq and not isinstance(record.get(SEQ), int)):
-        return None
-    return record
+    return record if isinstance(record, dict) else None
 
 
 class StateJournal:
@@ -118,7 +112,7 @@ class StateJournal:
     def save(self, state: dict[str, Any]) -> None:
         """Make ``state`` the saved one: one appended line (a snapshot instead, once the journal is large)."""
         self._seq += 1
-        line = (json.dumps({**state, SEQ: self._seq}) + "\n").encode()
+        line = encode({**state, SEQ: self._seq})
         if self._size + len(line) > self.compact_bytes:
             self._compact(state)
             return

@@ -110,6 +110,7 @@ class Coordinator:
         self._learner: dict[str, Any] = {name: 0 for name in LEARNER_FIELDS}
         self._endpoint: dict = {}
         self._stop = False
+        self._closed = False
         self._load()
 
     # -- persistence -------------------------------------------------------------------------------------------
@@ -404,8 +405,11 @@ class Coordinator:
 
     def close(self) -> None:
         """(The service, once its workers left.) Save the final share-out with fresh counters as ``prompts.json``
-        alone (the journal goes) and remove the band's file."""
+        alone (the journal goes) and remove the band's file. Once: on Ray the engine's shutdown closes it too."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._state.close(self._share_out(fresh=True))  # prompts.json alone holds the final state
         self._limiter.unlink()
 

@@ -51,10 +51,16 @@ def load_state(path: str | os.PathLike) -> dict | None:
     return state
 
 
+def journal_path_of(path: str | os.PathLike) -> Path:
+    """The journal beside the snapshot ``path``: ``<name>.journal``."""
+    path = Path(path)
+    return path.with_name(path.name + JOURNAL_SUFFIX)
+
+
 def _latest(path: Path) -> dict | None:
     best = _read_json(path)
     try:
-        lines = (path.parent / (path.name + JOURNAL_SUFFIX)).read_bytes().split(b"\n")
+        lines = journal_path_of(path).read_bytes().split(b"\n")
     except FileNotFoundError:
         return best
     for line in lines[:-1]:  # the part after the last newline is empty, or a torn append
@@ -99,7 +105,7 @@ class StateJournal:
 
     def __init__(self, path: str | os.PathLike, *, compact_bytes: int = 1 << 20) -> None:
         self.path = Path(path)
-        self.journal_path = self.path.parent / (self.path.name + JOURNAL_SUFFIX)
+        self.journal_path = journal_path_of(self.path)
         self.compact_bytes = int(compact_bytes)
         self._seq = max(0, _seq_of(_latest(self.path)))
         self._fd: int | None = None

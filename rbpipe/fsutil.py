@@ -6,8 +6,8 @@
 * :func:`file_lock`: an exclusive ``fcntl.flock`` on a path (created if absent) or on an open descriptor,
   released by the kernel when its holder dies, so a crashed process never leaves a lock behind.
 
-Every write of a store goes through :func:`atomic_write` (the commit log's appends aside: one ``write`` of
-one checksummed line), which is also the one place the disk-fault tests inject ``ENOSPC``/``EROFS``.
+Every write of a store goes through :func:`atomic_write`, or :func:`write_file` (its first half) for a
+compaction's output (the commit log's appends aside: one ``write`` of one checksummed line).
 """
 
 from __future__ import annotations
@@ -47,18 +47,8 @@ def atomic_write(path: str | os.PathLike, content: Content, *, fsync: bool = Tru
     """
     path = Path(path)
     tmp = path.with_name(tmp_name or f".{path.name}.{os.getpid()}.tmp")
+    write_file(tmp, content, fsync=fsync)
     try:
-        if callable(content):
-            content(str(tmp))
-        else:
-            with open(tmp, "wb") as f:
-                f.write(content.encode() if isinstance(content, str) else content)
-        if fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
         if replace:
             os.replace(tmp, path)
             return True
@@ -71,6 +61,28 @@ def atomic_write(path: str | os.PathLike, content: Content, *, fsync: bool = Tru
         return True
     except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_file(path: str | os.PathLike, content: Content, *, fsync: bool = True) -> None:
+    """Write ``content`` (as for :func:`atomic_write`) to ``path`` and, with ``fsync``, flush it to disk; the
+    file is removed on any failure. The first half of :func:`atomic_write`, for a writer that must publish the
+    file later (a compaction writes its output without holding the store's maintenance lock, then renames it
+    under the lock)."""
+    try:
+        if callable(content):
+            content(str(path))
+        else:
+            with open(path, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+        if fsync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
         raise
 
 

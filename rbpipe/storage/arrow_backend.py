@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from rbpipe.errors import StoreError
-from rbpipe.fsutil import atomic_write, file_lock
+from rbpipe.fsutil import file_lock, write_file
 from rbpipe.procs import pid_alive
 from rbpipe.storage.backend import Backend, writer_id
 from rbpipe.storage.columns import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
@@ -352,8 +352,8 @@ class ArrowBackend(Backend):
 
     def maintenance_lock(self, blocking: bool = True):
         """``with backend.maintenance_lock() as held:`` the flock of ``.compact.lock``: compaction holds it
-        throughout, and evictors delete segment files only while holding it, so neither deletes what the
-        other is about to reference."""
+        while it reads groups and while it publishes its output, and evictors delete segment files only while
+        holding it, so neither deletes what the other is about to reference."""
         return file_lock(self.path / ".compact.lock", blocking=blocking)
 
     def compactable(self) -> list[dict]:
@@ -363,8 +363,10 @@ class ArrowBackend(Backend):
         return recs if len({(r["loc"]["seg"], r["loc"]["off"]) for r in recs}) > 1 else []
 
     def write_compacted(self, parts: list[dict], rows: int) -> tuple[str, dict]:
-        """Write the gathered groups ``parts`` as one batch of a new sealed segment (tmp file, fsync,
-        rename): (its name, the loc of the batch)."""
+        """Write the gathered groups ``parts`` as one batch of a new segment, fsynced, under its temporary
+        name ``compact-<host>-<pid>-<rand>.tmp`` (evictors leave a live compactor's ``.tmp`` alone; a dead
+        one's is swept like a dead writer's file): (its name, the loc of the batch). :meth:`publish_compacted`
+        gives it its sealed name."""
         merged = GroupColumns(n=rows)
         for c in self.schema.columns:
             if c.ragged:
@@ -382,9 +384,17 @@ class ArrowBackend(Backend):
                 f.write(body)
                 f.write(EOS)
 
-        # the temporary name ends in .tmp: a dead compaction's leftover is swept like a dead writer's file
-        atomic_write(self._seg_dir / (name + SEALED), write, tmp_name=name + ".tmp")
+        write_file(self._seg_dir / (name + ".tmp"), write)
         return name, {"seg": name, "off": head.size, "len": body.size, "batch": 0}
+
+    def publish_compacted(self, name: str, keep: bool) -> None:
+        """Rename the output ``name`` to its sealed name (``keep``; the caller holds the maintenance lock and
+        writes the ``move`` record next), or delete it (nothing of it is needed any more)."""
+        tmp = self._seg_dir / (name + ".tmp")
+        if keep:
+            os.replace(tmp, self._seg_dir / (name + SEALED))
+        else:
+            tmp.unlink(missing_ok=True)
 
     def after_compaction(self, recs: list[dict], written: str) -> None:
         """Delete the segments the compacted groups came from (those no live group still needs), and the

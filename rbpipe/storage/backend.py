@@ -135,7 +135,13 @@ class Backend(LedgerEvents):
         return []
 
     def write_compacted(self, parts: list[dict], rows: int) -> tuple[str, dict]:
-        """Write the gathered ``parts`` (one per group, in order) as one new block: ``(its file, its loc)``."""
+        """Write the gathered ``parts`` (one per group, in order) as one new block, not yet visible to
+        evictors as unreferenced: ``(its file, its loc)``."""
+        raise NotImplementedError
+
+    def publish_compacted(self, name: str, keep: bool) -> None:
+        """Make the block ``name`` :meth:`write_compacted` wrote readable under its final name (``keep``, under
+        the maintenance lock, before the ``move`` record), or delete it."""
         raise NotImplementedError
 
     def after_compaction(self, recs: list[dict], written: str) -> None:

@@ -484,10 +484,12 @@ class GroupStorage(Storage):
         """Rewrite the live groups of sealed segments into one block; returns the number of groups moved
         (0 for a backend that does not compact, e.g. Zarr, whose rows are addressable one by one).
 
-        Random-row reads then touch one block. Concurrent compactions run one after the other (the second
-        finds little to do); writers are not blocked; the old files are deleted after the ``move`` record.
-        Evictors delete no file while this runs (the backend's maintenance lock): the new file is
-        unreferenced until the record is written, and the old ones are being read.
+        Random-row reads then touch one block. Writers are not blocked. The backend's maintenance lock is held
+        while the groups are read, and again from publishing the new block until the old files are deleted;
+        evictors delete no file while it is held (the new block is unreferenced until the ``move`` record, and
+        the old ones are being read). Writing and fsyncing the new block, the slow part, runs without it, so
+        evictions meanwhile still free the disk (docs/FORMAT.md, "Retention and disk"); groups evicted or moved
+        by another compaction meanwhile are not moved.
         """
         backend = self._backend
         if not backend.compacts:
@@ -497,16 +499,30 @@ class GroupStorage(Storage):
             recs = backend.compactable() if self._schema is not None else []
             if not recs:
                 return 0
-            parts, moves, rows = [], [], 0
+            parts, rows = [], 0
             for r in recs:
                 first = r["loc"]["row"]
                 parts.append(self._gather(backend.block_id(r["loc"], r["n"]), np.arange(first, first + r["n"])))
-                moves.append([r["seq"], rows])
                 rows += r["n"]
-            name, loc = backend.write_compacted(parts, rows)
-            self._ledger.move([[seq, dict(loc, row=row)] for seq, row in moves])
-            backend.after_compaction(recs, name)
-            return len(moves)
+        name, loc = backend.write_compacted(parts, rows)
+        moves, published = [], False
+        try:
+            with backend.maintenance_lock():
+                self._refresh()
+                row = 0
+                for r in recs:
+                    if self._ledger.groups.get(r["seq"], {}).get("loc") == r["loc"]:  # still live, still there
+                        moves.append([r["seq"], dict(loc, row=row)])
+                    row += r["n"]
+                if moves:
+                    backend.publish_compacted(name, keep=True)
+                    published = True
+                    self._ledger.move(moves)
+                    backend.after_compaction(recs, name)
+        finally:
+            if not published:
+                backend.publish_compacted(name, keep=False)
+        return len(moves)
 
     # -- the backend, for the read paths and tests ----------------------------------------------------------
     def _gather(self, block: int | None, local_rows: np.ndarray, keys=None) -> dict:

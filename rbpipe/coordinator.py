@@ -51,7 +51,7 @@ class CachedStats:
     def get_stats(self, fresh: bool = False) -> dict:
         now = time.monotonic()
         if fresh or now - self._at > self.ttl_s:
-            self._stats, self._at = self.registry.get_stats(), now
+            self._stats, self._at = self.registry.get_stats(fresh=fresh), now
         return self._stats
 
 

@@ -475,7 +475,9 @@ class GroupRegistry:
         return dict(self._reasons)
 
     # -- stats -------------------------------------------------------------------------------------------------
-    def get_stats(self) -> dict:
+    def get_stats(self, fresh: bool = False) -> dict:
+        """The counters summed over the shards, always current (read under their locks): ``fresh`` is for
+        callers that also read Ray's sharded registry, whose counters may lag (the coordinator)."""
         stats: dict[str, Any] = {name: 0 for name in STAT_NAMES}
         stats["trajectory_return_sum"] = 0.0
         stats["trajectory_return_max"] = float("-inf")

@@ -16,20 +16,34 @@ from rbpipe.rayengine.shards import RESTART_WAIT_S, RegistryAwaitsOptions, Shard
 STATS_CACHE_S = 0.25
 #: Seconds the coordinator waits for the shards' counters before it goes on with the last ones.
 STATS_WAIT_S = 0.05
+#: ... when it saves the run's final counters (its close; the engine's shutdown gives the close 10 s).
+CLOSE_STATS_WAIT_S = 5.0
 
 
 class LastKnownStats:
     """The grouping counters as the coordinator actor reads them: the shards' answers when they are there within
     ``STATS_WAIT_S``, else the last ones. The actor serves one call at a time, lease renewals included; a read
     that waited for a shard Ray was restarting held every renewal up past the leases' time to live, so live
-    collectors' units were reissued while they still handed them over (a group stored twice)."""
+    collectors' units were reissued while they still handed them over (a group stored twice).
+
+    A ``fresh`` read (the coordinator's close, which saves the run's final counters) asks the shards anew, waits
+    for a restarting one up to ``CLOSE_STATS_WAIT_S`` and sends it the registry's options if it lost them: the
+    answers of calls made earlier may predate the last drops, and a shard Ray restarts answers only when back.
+    """
 
     def __init__(self, registry: ShardedRegistry) -> None:
         self._registry = registry
         self._last = registry.get_stats()  # waits for the shards once, when the coordinator is configured
         self._pending: list | None = None
 
-    def get_stats(self) -> dict:
+    def get_stats(self, fresh: bool = False) -> dict:
+        if fresh:
+            self._pending = None
+            try:
+                self._last = self._registry.stats_within(CLOSE_STATS_WAIT_S)
+            except (ManagerDiedError, RegistryAwaitsOptions):
+                pass  # a shard down for good: the last counters are the best there are
+            return self._last
         if self._pending is None:
             self._pending = self._registry.stats_calls()
         ready, _ = _ray().wait(self._pending, num_returns=len(self._pending), timeout=STATS_WAIT_S)

@@ -296,15 +296,15 @@ class ShardedRegistry(_Proxy):
     def _one(self, index: int, method: str, *args):
         return self._shard_get(lambda: self._shards[index].call.remote(self._name, method, args, {}))
 
-    def _all(self, method: str, *args) -> list:
-        return self._shard_get(lambda: [s.call.remote(self._name, method, args, {}) for s in self._shards])
+    def _all(self, method: str, *args, wait_s: float | None = None) -> list:
+        return self._shard_get(lambda: [s.call.remote(self._name, method, args, {}) for s in self._shards], wait_s)
 
-    def _shard_get(self, submit):
+    def _shard_get(self, submit, wait_s: float | None = None):
         """Shard calls; while a shard that Ray restarts comes back (it replays its log), the call is made
-        again, for up to ``restart_wait_s`` (every shard call is safe to repeat). A restarted shard that awaits
-        the registry's options (not in its log) is sent them first."""
+        again, for up to ``wait_s`` (default ``restart_wait_s``; every shard call is safe to repeat). A restarted
+        shard that awaits the registry's options (not in its log) is sent them first."""
         ray = _ray()
-        deadline = time.monotonic() + self._restart_wait_s
+        deadline = time.monotonic() + (self._restart_wait_s if wait_s is None else wait_s)
         reopen = False
         while True:
             try:
@@ -386,6 +386,11 @@ class ShardedRegistry(_Proxy):
     # -- counters, summed over shards --
     def _do_get_stats(self) -> dict:
         return self.sum_stats(self._all("get_stats"))
+
+    def stats_within(self, wait_s: float) -> dict:
+        """The counters, waiting for a shard that Ray restarts for up to ``wait_s`` instead of ``restart_wait_s``
+        (the coordinator's final read, which the engine's shutdown gives 10 s)."""
+        return self.sum_stats(self._all("get_stats", wait_s=wait_s))
 
     def stats_calls(self) -> list:
         """One ``get_stats`` call to each shard, not waited for: the coordinator actor takes the answers when they

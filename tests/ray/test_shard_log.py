@@ -295,3 +295,35 @@ def test_the_coordinator_answers_takes_and_renewals_while_a_shard_is_down(ray_cl
             assert time.monotonic() - started > 1.0
     finally:
         manager.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_the_final_share_out_counts_drops_of_a_shard_being_restarted(ray_cluster, tmp_path):
+    """The coordinator's close saves the run's final counters (``prompts.json``: a resumed run's band starts from
+    its dropped groups). Its quick read gives up on a shard that Ray is restarting after 50 ms and keeps the last
+    counters; the close must wait for the shard instead, or the final count misses the drops since that read."""
+    import ray
+
+    from rbpipe.grouping import SharedMCAdvantage
+    from rbpipe.journal import load_state
+    from rbpipe.rayengine import RayManager
+    from tests.grouping.helpers import MINIMAL_KEYS, traj
+
+    manager = RayManager.start(shards=1, ttl_s=5.0, log_dir=str(tmp_path), prefix="closestats-")
+    grouping = None
+    try:
+        grouping = SharedMCAdvantage(2, prompt_key="group_id", manager=manager, name="c", shards=1,
+                                     staging_dir=str(tmp_path / "staging"), required_keys=MINIMAL_KEYS,
+                                     trajectory_return="sum", keep_return_bounds=(0.1, 0.9))
+        limiter = {"samples_per_insert": 1.0, "error_buffer": 8.0, "min_size_to_sample": 1}
+        coordinator = manager.get_coordinator("c", {"samples_per_prompt": 2, "unit_size": 1, "limiter": limiter,
+                                                    "state_dir": str(tmp_path)})
+        assert grouping.inv(traj(0, 0, [0.0])) is None and grouping.inv(traj(1, 0, [0.0])) is None
+        assert grouping.get_stats()["dropped_groups"] == 1  # both returns 0: outside the bounds, dropped
+        ray.kill(manager.shard_actors[0], no_restart=False)
+        coordinator.close()
+        assert load_state(tmp_path / "prompts.json")["totals"]["dropped_groups"] == 1
+    finally:
+        if grouping is not None:
+            grouping.close()
+        manager.shutdown()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
 
 import rbpipe.storage.base as storage_base
-from rbpipe.errors import ConfigError
+from rbpipe.errors import ConfigError, StaleReadError
 from rbpipe.storage import ArrowStorage, ZarrStorage, gather
 
 BACKENDS = [ArrowStorage, ZarrStorage]
@@ -249,7 +249,10 @@ def test_whole_groups_read_while_another_process_appends_and_evicts(tmp_path, mo
                 continue
             picks = rng.choice(len(spans), size=3, replace=False)
             index = torch.from_numpy(np.concatenate([np.arange(a, b) for _, a, b in spans[picks]]))
-            td = store.get(index)
+            try:
+                td = store.get(index)
+            except StaleReadError:  # evicted and deleted since the refresh (a sampler's hold prevents it): the
+                continue  # documented answer, never other rows; draw again (seen in CI, a busy 2-core machine)
             gids = td["group_id"].tolist()
             members = td["member"].tolist()
             tokens, log_probs = td["tokens", "response"].unbind(), td["log_probs", "rollout"].unbind()

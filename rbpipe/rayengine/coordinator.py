@@ -16,8 +16,8 @@ from rbpipe.rayengine.shards import RESTART_WAIT_S, RegistryAwaitsOptions, Shard
 STATS_CACHE_S = 0.25
 #: Seconds the coordinator waits for the shards' counters before it goes on with the last ones.
 STATS_WAIT_S = 0.05
-#: ... when it saves the run's final counters (its close; the engine's shutdown gives the close 10 s).
-CLOSE_STATS_WAIT_S = 5.0
+#: ... when it saves the run's final counters (its close): a shard Ray restarts on a cold worker takes seconds.
+CLOSE_STATS_WAIT_S = 20.0
 
 
 class LastKnownStats:
@@ -246,7 +246,7 @@ class RayManager:
             return
         ray = _ray()
         try:
-            ray.get(self.coordinator_actor.close.remote(), timeout=10)
+            ray.get(self.coordinator_actor.close.remote(), timeout=CLOSE_STATS_WAIT_S + 10)
         except Exception:  # noqa: BLE001 - already gone
             pass
         for actor in [self.coordinator_actor, *self.shard_actors]:

@@ -389,7 +389,7 @@ class ShardedRegistry(_Proxy):
 
     def stats_within(self, wait_s: float) -> dict:
         """The counters, waiting for a shard that Ray restarts for up to ``wait_s`` instead of ``restart_wait_s``
-        (the coordinator's final read, which the engine's shutdown gives 10 s)."""
+        (the coordinator's final read)."""
         return self.sum_stats(self._all("get_stats", wait_s=wait_s))
 
     def stats_calls(self) -> list:

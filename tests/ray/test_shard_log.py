@@ -321,9 +321,10 @@ def test_the_final_share_out_counts_drops_of_a_shard_being_restarted(ray_cluster
         assert grouping.inv(traj(0, 0, [0.0])) is None and grouping.inv(traj(1, 0, [0.0])) is None
         assert grouping.get_stats()["dropped_groups"] == 1  # both returns 0: outside the bounds, dropped
         shard = manager.shard_actors[0]
+        pid = _pid(shard)
         ray.kill(shard, no_restart=False)
         deadline = time.monotonic() + 30
-        while _pid(shard) is not None:  # the kill has taken: Ray is restarting the shard (a cold start: seconds)
+        while _pid(shard) == pid:  # until the kill has taken: Ray restarts the shard (a cold start takes seconds)
             assert time.monotonic() < deadline, "Ray did not kill the shard"
             time.sleep(0.05)
         coordinator.close()

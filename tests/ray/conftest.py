@@ -4,6 +4,8 @@ CI installs Ray through the ``test`` extra, so these tests run there; without Ra
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 
 import pytest
@@ -20,15 +22,22 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"head": 1}, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    # Ray keeps each session's logs under its temporary directory (/tmp/ray by default) after shutdown: ours goes
+    # with the cluster (a short path: Ray's Unix sockets live under it, at most 107 characters)
+    temp_dir = tempfile.mkdtemp(prefix="rbpipe-ray-")
     try:
-        nodes = {"head": cluster.head_node}
-        for name in ("node_b", "node_c"):
-            nodes[name] = cluster.add_node(num_cpus=1, resources={name: 1}, node_ip_address="127.0.0.1")
-        ray.init(address=cluster.address, _node_ip_address="127.0.0.1",
-                 namespace=f"rbpipe-tests-{uuid.uuid4().hex[:6]}", logging_level="WARNING")
-        yield cluster, nodes
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"head": 1}, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+            "temp_dir": temp_dir})
+        try:
+            nodes = {"head": cluster.head_node}
+            for name in ("node_b", "node_c"):
+                nodes[name] = cluster.add_node(num_cpus=1, resources={name: 1}, node_ip_address="127.0.0.1")
+            ray.init(address=cluster.address, _node_ip_address="127.0.0.1",
+                     namespace=f"rbpipe-tests-{uuid.uuid4().hex[:6]}", logging_level="WARNING")
+            yield cluster, nodes
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -4,6 +4,7 @@ CI installs Ray through the ``test`` extra, so these tests run there; without Ra
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -23,8 +24,13 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     # Ray keeps each session's logs under its temporary directory (/tmp/ray by default) after shutdown: ours goes
-    # with the cluster (a short path: Ray's Unix sockets live under it, at most 107 characters)
+    # with the cluster (a short path: Ray's Unix sockets live under it, at most 107 characters). ``Cluster`` also
+    # writes its address to ``$RAY_TMPDIR/ray/ray_current_cluster`` whatever ``temp_dir`` says, without creating
+    # that directory (on a fresh machine /tmp/ray does not exist): RAY_TMPDIR points it into ours too
     temp_dir = tempfile.mkdtemp(prefix="rbpipe-ray-")
+    os.makedirs(os.path.join(temp_dir, "ray"))
+    env = pytest.MonkeyPatch()
+    env.setenv("RAY_TMPDIR", temp_dir)
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "resources": {"head": 1}, "node_ip_address": "127.0.0.1", "include_dashboard": False,
@@ -40,4 +46,5 @@ def ray_cluster():
             ray.shutdown()
             cluster.shutdown()
     finally:
+        env.undo()
         shutil.rmtree(temp_dir, ignore_errors=True)

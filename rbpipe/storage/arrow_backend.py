@@ -387,14 +387,13 @@ class ArrowBackend(Backend):
         write_file(self._seg_dir / (name + ".tmp"), write)
         return name, {"seg": name, "off": head.size, "len": body.size, "batch": 0}
 
-    def publish_compacted(self, name: str, keep: bool) -> None:
-        """Rename the output ``name`` to its sealed name (``keep``; the caller holds the maintenance lock and
-        writes the ``move`` record next), or delete it (nothing of it is needed any more)."""
-        tmp = self._seg_dir / (name + ".tmp")
-        if keep:
-            os.replace(tmp, self._seg_dir / (name + SEALED))
-        else:
-            tmp.unlink(missing_ok=True)
+    def publish_compacted(self, name: str) -> None:
+        """Rename the output ``name`` to its sealed name (the caller holds the maintenance lock and writes the
+        ``move`` record next)."""
+        os.replace(self._seg_dir / (name + ".tmp"), self._seg_dir / (name + SEALED))
+
+    def discard_compacted(self, name: str) -> None:
+        (self._seg_dir / (name + ".tmp")).unlink(missing_ok=True)
 
     def after_compaction(self, recs: list[dict], written: str) -> None:
         """Delete the segments the compacted groups came from (those no live group still needs), and the

@@ -139,9 +139,14 @@ class Backend(LedgerEvents):
         evictors as unreferenced: ``(its file, its loc)``."""
         raise NotImplementedError
 
-    def publish_compacted(self, name: str, keep: bool) -> None:
-        """Make the block ``name`` :meth:`write_compacted` wrote readable under its final name (``keep``, under
-        the maintenance lock, before the ``move`` record), or delete it."""
+    def publish_compacted(self, name: str) -> None:
+        """Make the block ``name`` :meth:`write_compacted` wrote readable under its final name (under the
+        maintenance lock, before the ``move`` record)."""
+        raise NotImplementedError
+
+    def discard_compacted(self, name: str) -> None:
+        """Delete the block ``name`` :meth:`write_compacted` wrote (none of its groups is still where it was read
+        from, or the compaction failed)."""
         raise NotImplementedError
 
     def after_compaction(self, recs: list[dict], written: str) -> None:

@@ -515,13 +515,13 @@ class GroupStorage(Storage):
                         moves.append([r["seq"], dict(loc, row=row)])
                     row += r["n"]
                 if moves:
-                    backend.publish_compacted(name, keep=True)
+                    backend.publish_compacted(name)
                     published = True
                     self._ledger.move(moves)
                     backend.after_compaction(recs, name)
         finally:
             if not published:
-                backend.publish_compacted(name, keep=False)
+                backend.discard_compacted(name)
         return len(moves)
 
     # -- the backend, for the read paths and tests ----------------------------------------------------------

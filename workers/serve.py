@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -74,8 +75,11 @@ class Service:
         checkpoint = load_checkpoint(self.run_dir)  # a bad one is refused before anything starts
         key = new_authkey(self.run_dir)
         if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.rayengine); Ray is connected
-            from rbpipe.rayengine import RayManager
+            from rbpipe.rayengine import RayManager, remove_session_logs
 
+            stale = remove_session_logs(self.run_dir)  # a killed session's (we hold the store's writer lock)
+            if stale:
+                log(f"removed the shard logs of {len(stale)} killed session(s): {', '.join(stale)}")
             self.manager = RayManager.start(shards=self.grouping_shards, log_dir=str(self.run_dir))
         else:
             self.manager = start_manager(address=self.listen, authkey=key)
@@ -171,9 +175,9 @@ class Service:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             if self.engine == "ray":  # the shards' logs: a resumed run requeues from the staging area instead
-                import shutil
+                from rbpipe.rayengine import shard_log_dir
 
-                shutil.rmtree(self.run_dir / f"{self.manager.prefix}shards", ignore_errors=True)
+                shutil.rmtree(shard_log_dir(self.run_dir, self.manager.prefix), ignore_errors=True)
         if self.weights is not None:
             self.weights.unlink()
         (self.run_dir / RATE_LIMIT_FILE).unlink(missing_ok=True)

@@ -37,6 +37,8 @@ from rbpipe.rayengine.coordinator import (
            CoordinatorProxy,
            RayManager,
            RayWeights,
+           remove_session_logs,
+           shard_log_dir,
 )
 from rbpipe.rayengine.session import LOOPBACK_ENV, RaySession, use_loopback
 from rbpipe.rayengine.shards import (
@@ -66,6 +68,8 @@ __all__ = [
            "ShardHost",
            "ShardedRegistry",
            "parse_resources",
+           "remove_session_logs",
+           "shard_log_dir",
            "shard_of",
            "use_loopback",
 ]

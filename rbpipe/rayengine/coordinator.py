@@ -4,12 +4,15 @@ the weights through Ray's object store, and ``RayManager``, which starts or join
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import uuid
+from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.rayengine.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
-from rbpipe.rayengine.session import use_loopback
+from rbpipe.rayengine.session import init_ray, use_loopback
 from rbpipe.rayengine.shards import RESTART_WAIT_S, RegistryAwaitsOptions, ShardedRegistry, ShardHost
 
 #: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
@@ -18,6 +21,27 @@ STATS_CACHE_S = 0.25
 STATS_WAIT_S = 0.05
 #: ... when it saves the run's final counters (its close): a shard Ray restarts on a cold worker takes seconds.
 CLOSE_STATS_WAIT_S = 20.0
+#: The shards' log directory of a service started with a random prefix (:meth:`RayManager.start`).
+_SESSION_LOGS = re.compile(r"[0-9a-f]{8}-shards")
+
+
+def shard_log_dir(log_dir: str | os.PathLike[str], prefix: str) -> Path:
+    """Where the shards of the service named by ``prefix`` log their state changes."""
+    return Path(log_dir) / f"{prefix}shards"
+
+
+def remove_session_logs(log_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove the shards' logs that services started under ``log_dir`` left there; returns their names.
+
+    Only a service's close removes its own: a killed one leaves them. They are of no use to a resumed run (it
+    requeues from the staging area). The caller must own ``log_dir`` (``rbpipe serve`` holds the store's
+    writer lock): a live service's logs are replayed when Ray restarts one of its shards."""
+    removed = []
+    for entry in sorted(Path(log_dir).glob("*shards")):
+        if _SESSION_LOGS.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
 
 
 class LastKnownStats:
@@ -179,7 +203,7 @@ class RayManager:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         common = {"namespace": ns, "num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
         coordinator = ray.remote(CoordinatorHost).options(name=prefix + COORDINATOR_NAME, **common).remote(ttl)
-        logs = None if log_dir is None else os.path.join(str(log_dir), f"{prefix}shards")
+        logs = None if log_dir is None else str(shard_log_dir(log_dir, prefix))
         restarts = int(shard_restarts) if logs else 0
         hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", **dict(common, max_restarts=restarts))
                  .remote(i, ns, ttl, prefix + COORDINATOR_NAME, logs) for i in range(int(shards))]
@@ -203,7 +227,7 @@ class RayManager:
             except ImportError:  # another Ray version: the variable alone
                 os.environ["RAY_AUTH_MODE"] = "token"
         if not ray.is_initialized():
-            ray.init(address=spec["address"], namespace=spec["namespace"], logging_level="WARNING")
+            init_ray(address=spec["address"], namespace=spec["namespace"], logging_level="WARNING")
         prefix = spec.get("prefix", "")
         try:
             coordinator = ray.get_actor(prefix + COORDINATOR_NAME, namespace=spec["namespace"])

@@ -26,6 +26,25 @@ def use_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def init_ray(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)``, keeping this process's own SIGTERM handler.
+
+    In the main thread ``ray.init`` replaces it with one that calls ``sys.exit(15)``: a ``kill PID`` of
+    ``rbpipe run``/``serve --engine ray`` then skipped the launcher's clean stop (summary, writer lock, exit
+    status 0) and an attached worker's. A process with no handler of its own (a library caller) keeps Ray's,
+    which shuts Ray down at exit."""
+    import signal
+    import threading
+
+    ray = _ray()
+    mine = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        ray.init(**kwargs)
+    finally:
+        if callable(mine):
+            signal.signal(signal.SIGTERM, mine)
+
+
 class RaySession:
     """Ray for one run: joins ``address`` (a running cluster), or starts a private instance bound to loopback
     that :meth:`close` shuts down; inside a process already connected to Ray it uses that connection."""
@@ -47,10 +66,10 @@ class RaySession:
             self.namespace = ray.get_runtime_context().namespace
             return self
         if self.address is not None:
-            ray.init(address=self.address, namespace=self.namespace, logging_level="WARNING")
+            init_ray(address=self.address, namespace=self.namespace, logging_level="WARNING")
         else:
             use_loopback()
-            ray.init(num_cpus=self.num_cpus, namespace=self.namespace, include_dashboard=False,
+            init_ray(num_cpus=self.num_cpus, namespace=self.namespace, include_dashboard=False,
                      _node_ip_address="127.0.0.1", logging_level="WARNING")
         self._owned = True
         return self

@@ -187,3 +187,74 @@ def test_learner_actor_killed_and_restarted_by_ray_resumes_from_its_checkpoint(r
     placed = [w for w in json.loads((run_dir / "ray_workers.json").read_text())["workers"] if w["worker"] == "learner"]
     assert len(placed) == 1 and placed[0]["pid"] != at_kill["pid"]  # the same actor, a new process
     check_store(run_dir, summary)
+
+
+def _serve(address: str, *args: str) -> subprocess.Popen:
+    import sys
+
+    return _start([sys.executable, "-m", "rbpipe.cli", "serve", "--no-progress", "--json", "--engine", "ray",
+                   "--ray-address", address, *args])
+
+
+def _endpoint_of(run_dir: Path, proc: subprocess.Popen) -> None:
+    def written_by_proc() -> bool:
+        try:
+            return json.loads((run_dir / "endpoint.json").read_text())["pid"] == proc.pid
+        except (OSError, ValueError):
+            return False
+
+    _wait_for(written_by_proc, 120, proc)
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_service_removes_the_shard_logs_its_killed_session_left(ray_cluster, tmp_path):
+    """SIGKILL of ``rbpipe serve --engine ray`` leaves its shards' logs (``RUN_DIR/<prefix>shards``: only a close
+    removes them); the resumed service requeues from the staging area, not from them, so it removes them: a run
+    killed and resumed N times must not keep N sessions' logs.
+
+    Then ``kill PID`` (SIGTERM) of an attached collector and of the service stops each cleanly, as without Ray:
+    ``ray.init`` installs a handler of its own that exits with status 15 and no summary."""
+    import signal
+    import sys
+
+    cluster, _ = ray_cluster
+    run_dir = tmp_path / "run"
+    killed = _serve(cluster.address, "--run-dir", str(run_dir), "--steps", "3", "--grpo-size", "4",
+                    "--groups-per-step", "2", "--collectors", "1")
+    try:
+        _endpoint_of(run_dir, killed)
+        left = sorted(p.name for p in run_dir.glob("*shards"))
+        assert len(left) == 1, left
+    finally:
+        killed.kill()
+        killed.communicate()
+    assert (run_dir / left[0]).is_dir()
+    resumed = _serve(cluster.address, "--resume", str(run_dir))
+    try:
+        _endpoint_of(run_dir, resumed)
+        now = sorted(p.name for p in run_dir.glob("*shards"))
+        assert left[0] not in now and len(now) == 1, now  # its own only
+        collector = subprocess.Popen([sys.executable, "-m", "rbpipe.cli", "collector", "--connect", str(run_dir)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env())
+        try:
+            lines = []
+            while not any("attached to" in line for line in lines):
+                line = collector.stdout.readline()
+                assert line, "".join(lines)[-3000:]  # it ended before attaching
+                lines.append(line)
+            collector.send_signal(signal.SIGTERM)
+            text = "".join(lines) + collector.communicate(timeout=60)[0]
+        finally:
+            if collector.poll() is None:
+                collector.kill()
+                collector.communicate()
+        assert collector.returncode == 130 and "rbpipe collector: interrupted" in text, text[-3000:]
+        resumed.send_signal(signal.SIGTERM)
+        out, err = resumed.communicate(timeout=120)
+    finally:
+        if resumed.poll() is None:
+            resumed.kill()
+            resumed.communicate()
+    assert resumed.returncode == 0, err[-3000:]
+    assert json.loads(out)["status"] == "stopped", out[-2000:]
+    assert sorted(p.name for p in run_dir.glob("*shards")) == []  # and its own went with its close

@@ -228,13 +228,14 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
     report["lost"] = handed - (report["written"] + report["dropped"] + report["unselected"] + report["queued"])
     report["reason"] = reason or _failure_reason(report, kills, attempted, produced)
     report["ok"] = report["reason"] is None
-    for path in share_paths:
-        Path(path).unlink(missing_ok=True)
-    if own_store and report["ok"]:  # a temporary store is kept only when it shows a problem to look at
-        shutil.rmtree(tmp, ignore_errors=True)
-        report["store"] = None
-    elif own_store:
+    if own_store and not report["ok"]:  # a temporary store is kept only when it shows a problem to look at
+        for path in share_paths:
+            Path(path).unlink(missing_ok=True)
         report["store_kept_for_inspection"] = True
+    else:  # the writers' shares (and our own store): a store given by the caller is elsewhere
+        shutil.rmtree(tmp, ignore_errors=True)
+        if own_store:
+            report["store"] = None
     return report
 
 

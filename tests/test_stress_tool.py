@@ -23,13 +23,17 @@ def test_stall_timer_starts_once_the_writers_are_up(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_failed_stress_run_says_why_and_where_its_store_is(tmp_path, monkeypatch):
+    import tempfile
+
     import rbpipe.stress as stress
 
     monkeypatch.setattr(stress, "STARTUP_TIMEOUT_S", 0.05)  # no writer can be up this fast: a stall
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the store kept for inspection: in tmp_path
     report = run_stress(writers=1, trajectories=8, group_size=4, seed=1, stall_timeout=0.05)
     table = format_stress_table(report)
     assert not report["ok"] and report["reason"], table
     assert "reason" in table and report["store"] and report["store"] in table
+    assert report["store"].startswith(str(tmp_path))
 
 
 @pytest.mark.timeout(180)

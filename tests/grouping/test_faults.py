@@ -16,8 +16,7 @@ from tests.grouping.helpers import MINIMAL_KEYS, groups_of, traj
 
 
 def _transform(manager, **opts):
-    return SharedMCAdvantage(prompt_key="group_id", manager=manager, staging_dir=tempfile.mkdtemp(),
-                             required_keys=MINIMAL_KEYS, **opts)
+    return SharedMCAdvantage(prompt_key="group_id", manager=manager, required_keys=MINIMAL_KEYS, **opts)
 
 
 @pytest.mark.timeout(120)
@@ -103,9 +102,18 @@ def test_stock_torchrl_grouping_works_across_multiprocess_spawn_writers(tmp_path
 
 @pytest.mark.timeout(60)
 def test_a_clean_stress_run_removes_its_temporary_store(tmp_path, monkeypatch):
-    import tempfile
-
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = run_stress(writers=2, trajectories=48, group_size=4, seed=5)
     assert r["ok"], r
     assert r["store"] is None and not list(tmp_path.glob("rbpipe-stress-*"))
+
+
+@pytest.mark.timeout(60)
+def test_a_stress_run_into_a_given_store_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    """The writers' shares go to a temporary directory of the run's own; the store is the caller's."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    r = run_stress(writers=2, trajectories=48, group_size=4, seed=5, store=tmp_path / "store")
+    assert r["ok"] and r["store"] == str(tmp_path / "store"), r
+    assert list(scratch.glob("rbpipe-stress-*")) == []

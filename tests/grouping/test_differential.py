@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import multiprocess
 import pytest
 import torch
@@ -62,8 +60,8 @@ def _assert_stats_equal(ours: dict, stock: dict) -> None:
 @given(scenarios())
 def test_in_process_matches_torchrl(grouping_manager, scenario):
     opts, stream = scenario
-    ours = SharedMCAdvantage(prompt_key="group_id", manager=grouping_manager, staging_dir=tempfile.mkdtemp(),
-                             required_keys=MINIMAL_KEYS, shards=3, **opts)
+    ours = SharedMCAdvantage(prompt_key="group_id", manager=grouping_manager, required_keys=MINIMAL_KEYS, shards=3,
+                             **opts)
     assert_matches_stock(ours, opts, stream)
 
 
@@ -123,8 +121,8 @@ def test_batched_handover_matches_torchrl(grouping_manager, scenario, chunk_size
     """A collector hands a whole work unit over in one call (``append_many``): the decisions are exactly those
     of the same trajectories handed over one by one, in order."""
     opts, stream = scenario
-    ours = SharedMCAdvantage(prompt_key="group_id", manager=grouping_manager, staging_dir=tempfile.mkdtemp(),
-                             required_keys=MINIMAL_KEYS, shards=3, **opts)
+    ours = SharedMCAdvantage(prompt_key="group_id", manager=grouping_manager, required_keys=MINIMAL_KEYS, shards=3,
+                             **opts)
     got, pos, turn = [], 0, 0
     while pos < len(stream):
         size = chunk_sizes[turn % len(chunk_sizes)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import tempfile
 import threading
 import time
 
@@ -82,8 +81,7 @@ def test_a_forked_child_gets_its_own_manager_connection(how):
     manager = start_manager()
     child = None
     try:
-        t = SharedMCAdvantage(2, prompt_key="group_id", manager=manager, staging_dir=tempfile.mkdtemp(),
-                              required_keys=MINIMAL_KEYS)
+        t = SharedMCAdvantage(2, prompt_key="group_id", manager=manager, required_keys=MINIMAL_KEYS)
         manager_pid = call(t._registry, "ping")  # this thread now holds a connection to the manager
         errors: list = []
         start = time.monotonic() + 1.0

@@ -3,8 +3,6 @@ per-step group whose std is NaN): such a group is dropped with a counted reason,
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 
 from rbpipe.grouping import SharedMCAdvantage
@@ -12,8 +10,7 @@ from tests.grouping.helpers import MINIMAL_KEYS, traj
 
 
 def _transform(manager, grpo_size: int, **opts) -> SharedMCAdvantage:
-    return SharedMCAdvantage(grpo_size, prompt_key="group_id", manager=manager, staging_dir=tempfile.mkdtemp(),
-                             required_keys=MINIMAL_KEYS, **opts)
+    return SharedMCAdvantage(grpo_size, prompt_key="group_id", manager=manager, required_keys=MINIMAL_KEYS, **opts)
 
 
 def _assert_dropped_as_nonfinite(t: SharedMCAdvantage, outs: list) -> None:

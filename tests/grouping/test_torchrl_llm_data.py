@@ -4,7 +4,6 @@ checked against stock ``MCAdvantage`` on the same data, and against what the sto
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 
 import multiprocess
@@ -67,7 +66,7 @@ def assert_same_steps(got: dict, want: dict) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_lazy_per_token_rewards_match_torchrl(grouping_manager, wrapped):
-    ours = SharedMCAdvantage(3, manager=grouping_manager, staging_dir=tempfile.mkdtemp())
+    ours = SharedMCAdvantage(3, manager=grouping_manager)
     stock = MCAdvantage(3)
     for t in stream(3, 3, wrapped):
         want, got = stock.inv(t.clone()), ours.inv(t.clone())
@@ -82,7 +81,7 @@ def test_lazy_per_token_rewards_match_torchrl(grouping_manager, wrapped):
 def test_lazy_per_token_rewards_with_trajectory_returns(grouping_manager, mode):
     """torchrl cannot stack per-token rewards of varying length to reduce them; here each trajectory's return
     is reduced over all its tokens, then normalised across the group as torchrl does."""
-    ours = SharedMCAdvantage(3, manager=grouping_manager, staging_dir=tempfile.mkdtemp(), trajectory_return=mode)
+    ours = SharedMCAdvantage(3, manager=grouping_manager, trajectory_return=mode)
     trajs = stream(1, 3)
     outs = [ours.inv(t.clone()) for t in trajs]
     assert outs[:2] == [None, None]
@@ -98,7 +97,7 @@ def test_lazy_per_token_rewards_with_trajectory_returns(grouping_manager, mode):
 
 @pytest.mark.timeout(60)
 def test_defaults_are_torchrls(grouping_manager):
-    t = SharedMCAdvantage(2, manager=grouping_manager, staging_dir=tempfile.mkdtemp())
+    t = SharedMCAdvantage(2, manager=grouping_manager)
     assert t.prompt_key == MCAdvantage(2).prompt_key == "query"
     assert set(t.required_keys) == {"query", ("next", "reward"), ("next", "done")}
 
@@ -188,7 +187,7 @@ def test_staged_payload_keeps_strings_and_ragged_steps():
 
 
 def test_non_str_objects_are_refused_before_anything_is_queued(grouping_manager):
-    t = SharedMCAdvantage(2, manager=grouping_manager, staging_dir=tempfile.mkdtemp())
+    t = SharedMCAdvantage(2, manager=grouping_manager)
     good = llm_traj(0, "p", 2, 0)
     bad = llm_traj(1, "p", 2, 1)
     bad[0].set_non_tensor("meta", {"not": "a str"})
@@ -230,7 +229,7 @@ SELECT = {"trajectory_return": "sum", "candidate_group_size": 3, "candidate_sele
 
 @pytest.mark.timeout(60)
 def test_custom_selector_sees_its_declared_fields(grouping_manager):
-    ours = SharedMCAdvantage(2, manager=grouping_manager, staging_dir=tempfile.mkdtemp(), candidate_selector=TopScore(),
+    ours = SharedMCAdvantage(2, manager=grouping_manager, candidate_selector=TopScore(),
                              **SELECT)
     stock = MCAdvantage(2, candidate_selector=TopScore(), **SELECT)
     for score, rewards in [(0.0, [0.0]), (2.0, [1.0, 0.0]), (1.0, [0.0])]:
@@ -243,7 +242,7 @@ def test_custom_selector_sees_its_declared_fields(grouping_manager):
 
 @pytest.mark.timeout(60)
 def test_raising_selector_drops_its_group_instead_of_sticking(grouping_manager):
-    ours = SharedMCAdvantage(2, manager=grouping_manager, staging_dir=tempfile.mkdtemp(), candidate_selector=Broken(),
+    ours = SharedMCAdvantage(2, manager=grouping_manager, candidate_selector=Broken(),
                              **SELECT)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -260,13 +259,13 @@ def test_raising_selector_drops_its_group_instead_of_sticking(grouping_manager):
 
 def test_selector_reading_other_keys_is_refused_at_construction(grouping_manager):
     with pytest.raises(ConfigError, match="'return' and \\('trajectories', <field>\\)"):
-        SharedMCAdvantage(2, manager=grouping_manager, staging_dir=tempfile.mkdtemp(),
-                          candidate_selector=MCAdvantageSelector(in_keys=["metadata"]), **SELECT)
+        SharedMCAdvantage(2, manager=grouping_manager, candidate_selector=MCAdvantageSelector(in_keys=["metadata"]),
+                          **SELECT)
 
 
 @pytest.mark.timeout(60)
 def test_selector_field_missing_is_a_clear_error(grouping_manager):
-    ours = SharedMCAdvantage(2, manager=grouping_manager, staging_dir=tempfile.mkdtemp(), candidate_selector=TopScore(),
+    ours = SharedMCAdvantage(2, manager=grouping_manager, candidate_selector=TopScore(),
                              **SELECT)
     with pytest.raises(BadTrajectoryError, match="score"):
         ours.inv(scored("q", 0.0, [0.0]).exclude("score"))

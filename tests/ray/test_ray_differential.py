@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -26,8 +24,7 @@ def sharded_manager(ray_cluster):
 @given(scenarios())
 def test_sharded_registry_matches_torchrl(sharded_manager, scenario):
     opts, stream = scenario
-    ours = SharedMCAdvantage(prompt_key="group_id", manager=sharded_manager, staging_dir=tempfile.mkdtemp(),
-                             required_keys=MINIMAL_KEYS, **opts)
+    ours = SharedMCAdvantage(prompt_key="group_id", manager=sharded_manager, required_keys=MINIMAL_KEYS, **opts)
     try:
         assert_matches_stock(ours, opts, stream)
     finally:

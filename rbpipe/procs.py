@@ -118,6 +118,88 @@ def sweep_dead_files(directory: str | os.PathLike[str], prefix: str) -> int:
     return n
 
 
+#: Prefix of the temporary directories that hold rbpipe processes' listening Unix sockets (the manager's, the
+#: fork server's): ``multiprocess`` would make them ``pymp-*``, which stay in /tmp when their process is SIGKILLed.
+#: Short: a socket's path must stay under 108 bytes.
+SOCKET_DIR_PREFIX = "rbpipe-sock-"
+_SOCKET_DIR_OWNER = ".owner"
+_OWNED_SOCKET_DIRS: dict[str, int] = {}  # this process's socket directory -> the fd holding its owner lock
+
+
+def _new_socket_dir() -> str:
+    """A temporary directory whose ``.owner`` file this process keeps ``flock``-ed for its life. A lock, not a
+    PID, says whether its owner lives: the kernel releases it however the process ends, and a process in
+    another PID namespace sharing /tmp holds it just the same."""
+    import fcntl
+    import tempfile
+
+    for _ in range(16):
+        path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        try:
+            fd = os.open(os.path.join(path, _SOCKET_DIR_OWNER), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                         0o600)
+        except FileNotFoundError:  # a sweep removed it before its lock existed: take another
+            continue
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink > 0 and os.path.isdir(path):  # not swept between creation and lock
+            _OWNED_SOCKET_DIRS[path] = fd
+            return path
+        os.close(fd)
+    raise OSError("could not create a temporary directory for this process's sockets")
+
+
+def use_owned_socket_dir(replace: bool = False) -> str:
+    """Point this process's ``multiprocess`` temporary directory (where its listening sockets go) at one that
+    :func:`sweep_orphaned_socket_dirs` removes once this process is gone, and that a normal exit removes.
+    Without ``replace``, a directory already chosen (by ``multiprocess`` or the caller) is kept: its sockets may
+    be in use. Returns the directory."""
+    import shutil
+
+    from multiprocess import util
+
+    config = multiprocess.current_process()._config
+    current = config.get("tempdir")
+    if current and not replace:
+        return current
+    path = _new_socket_dir()
+    config["tempdir"] = path
+    util.Finalize(None, shutil.rmtree, args=(path, True), exitpriority=-100)  # as multiprocess does for its own
+    return path
+
+
+def sweep_orphaned_socket_dirs(root: str | os.PathLike[str] | None = None) -> int:
+    """Remove the socket directories (:func:`use_owned_socket_dir`) in ``root`` (the temporary directory) whose
+    owner lock is free: their process is gone (a SIGKILL skips every clean-up). Returns how many."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    n = 0
+    try:
+        entries = list(os.scandir(root or tempfile.gettempdir()))
+    except OSError:
+        return 0
+    for e in entries:
+        if not e.name.startswith(SOCKET_DIR_PREFIX) or e.path in _OWNED_SOCKET_DIRS \
+                or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(os.path.join(e.path, _SOCKET_DIR_OWNER), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:  # being created (no lock yet), or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its owner lives
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(e.path, ignore_errors=True)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
 #: ``-W`` filter for the stdlib resource tracker of a worker. torchrl's ``Storage.__init__`` makes two stdlib
 #: ``mp.Value``s (named semaphores) in every process that opens a storage; that process's own tracker unlinks
 #: them when the process is SIGKILLed, which is the right clean-up, then warns "There appear to be N leaked
@@ -192,6 +274,8 @@ def warm_worker_server() -> None:
     from multiprocess import forkserver
 
     forkserver.set_forkserver_preload(list(WORKER_PRELOAD))
+    sweep_orphaned_socket_dirs()  # those of SIGKILLed launchers and managers
+    use_owned_socket_dir()  # the fork server's socket goes there
     with _sigint_ignored(), quiet_killed_worker_trackers():
         forkserver.ensure_running()
 

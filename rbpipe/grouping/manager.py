@@ -21,7 +21,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
-from rbpipe.procs import die_with_parent, settle_heap, worker_context
+from rbpipe.procs import die_with_parent, settle_heap, use_owned_socket_dir, worker_context
 from rbpipe.service_api import COORDINATOR_EXPOSED
 
 if TYPE_CHECKING:
@@ -218,8 +218,9 @@ def _init_manager_process(owner: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the workers; the launcher shuts us down
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
     # A process inherits its starter's temporary directory setting, and the starter's directory also holds the
-    # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes
-    mp_util.process.current_process()._config["tempdir"] = None
+    # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes, or, after a
+    # SIGKILL, the next sweep (rbpipe.procs.sweep_orphaned_socket_dirs)
+    use_owned_socket_dir(replace=True)
     mp_util.Finalize(None, _clean_up, exitpriority=-1)  # a normal shutdown removes temporary staging too
     if owner is not None:
         # polling only (no PR_SET_PDEATHSIG): a library caller may start the manager from a thread that ends first

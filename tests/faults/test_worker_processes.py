@@ -89,3 +89,48 @@ def test_a_worker_dies_when_its_starter_is_sigkilled(tmp_path):
         starter.wait(10)
         if worker is not None and pid_alive(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+SOCKETS_STARTER = textwrap.dedent("""
+    import json, os, time
+    import multiprocess
+    from rbpipe.grouping import start_manager
+
+    if __name__ == "__main__":
+        manager = start_manager()
+        print(json.dumps({"launcher": multiprocess.current_process()._config["tempdir"],
+                          "manager": os.path.dirname(manager.address), "manager_pid": manager._process.pid}),
+              flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_socket_directories_of_sigkilled_processes_are_swept_and_live_ones_kept(tmp_path):
+    """The launcher's fork server and the manager listen on Unix sockets in temporary directories that only a
+    normal exit removes. After a SIGKILL of all of them at once, the next start's sweep removes them; while
+    their processes live, a sweep leaves them alone (their owner lock is held)."""
+    import json
+
+    from rbpipe.procs import SOCKET_DIR_PREFIX, sweep_orphaned_socket_dirs
+
+    script = tmp_path / "starter.py"
+    script.write_text(SOCKETS_STARTER)
+    starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        info = json.loads(starter.stdout.readline())
+        dirs = [Path(info["launcher"]), Path(info["manager"])]
+        assert all(d.name.startswith(SOCKET_DIR_PREFIX) and d.is_dir() for d in dirs), info
+        assert dirs[0] != dirs[1] and any(dirs[1].glob("listener-*")), info
+        sweep_orphaned_socket_dirs()
+        assert all(d.is_dir() for d in dirs), "a live process's socket directory was swept"
+    finally:
+        os.killpg(starter.pid, signal.SIGKILL)  # launcher, fork server and manager: nobody cleans up
+        starter.wait(10)
+    deadline = time.time() + 10
+    while pid_alive(info["manager_pid"]) and time.time() < deadline:
+        time.sleep(0.05)
+    assert all(d.is_dir() for d in dirs)  # left behind by the kill...
+    assert sweep_orphaned_socket_dirs() >= 2
+    assert not any(d.exists() for d in dirs)  # ...and removed by the next sweep

@@ -31,7 +31,10 @@ def test_the_library_has_examples():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", MODULES)
-def test_examples_run(name):
+def test_examples_run(name, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the examples' tempfile.mkdtemp() go with the test
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0, f"{result.failed} example(s) of {name} failed"
     assert result.attempted > 0

@@ -172,15 +172,6 @@ def test_a_second_learner_is_refused_while_the_first_lives(tmp_path):
     coord.close()
 
 
-def test_the_coordinator_example_runs():
-    import doctest
-
-    import rbpipe.coordinator
-
-    result = doctest.testmod(rbpipe.coordinator)
-    assert result.attempted > 0 and result.failed == 0
-
-
 # -- four shells ----------------------------------------------------------------------------------------------------
 def _start(args: list[str], env: dict | None = None, stderr=subprocess.STDOUT) -> subprocess.Popen:
     return subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=stderr, text=True,

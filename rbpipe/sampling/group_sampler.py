@@ -54,8 +54,10 @@ class FreshGroupSampler(Sampler):
         self.stale_trajectories = 0
 
     # -- what is available -------------------------------------------------------------------------------------
-    def _fresh_spans(self, storage: Storage) -> torch.Tensor:
-        """Spans still to be trained on, oldest first; stale ones are retired (and counted) on sight.
+    def _fresh_spans(self, storage: Storage) -> tuple[torch.Tensor, list[int]]:
+        """Spans still to be trained on, oldest first, and the sequence numbers of every live group, both from
+        one ``group_spans()`` (one numbering: the rows a draw hands out are read under it). Stale ones are
+        retired (and counted) on sight.
 
         Staleness only grows (``consumer_version`` never decreases), so a group found stale stays stale.
         """
@@ -66,11 +68,12 @@ class FreshGroupSampler(Sampler):
                 continue
         return self._fresh_spans_once(storage)
 
-    def _fresh_spans_once(self, storage: Storage) -> torch.Tensor:
+    def _fresh_spans_once(self, storage: Storage) -> tuple[torch.Tensor, list[int]]:
         spans = storage.group_spans()
+        live = spans[:, 0].tolist()
         spans = spans[spans[:, 0] >= self._watermark]
         if spans.numel() == 0:
-            return spans.reshape(0, 3)
+            return spans.reshape(0, 3), live
         todo = torch.tensor([int(s) not in self._done for s in spans[:, 0].tolist()], dtype=torch.bool)
         spans = spans[todo]
         if self.max_staleness is not None and spans.shape[0]:
@@ -82,9 +85,9 @@ class FreshGroupSampler(Sampler):
                     self._done.add(int(seq))
                     self.stale_groups += 1
                     self.stale_trajectories += int(length)
-                self._advance_watermark(storage)
+                self._advance_watermark(live)
             spans = spans[~stale]
-        return spans
+        return spans, live
 
     def _oldest_versions(self, storage: Storage, spans: torch.Tensor) -> torch.Tensor:
         """Each span's oldest policy version. A committed group never changes, so each is found once: from its
@@ -113,9 +116,12 @@ class FreshGroupSampler(Sampler):
         oldest = oldest.scatter_reduce(0, group_of_row, versions.long(), reduce="amin")
         self._oldest.update(zip(fresh[:, 0].tolist(), oldest.tolist(), strict=True))
 
-    def _advance_watermark(self, storage: Storage) -> None:
-        seqs = storage.group_spans()[:, 0]
-        for seq in seqs[seqs >= self._watermark].tolist():
+    def _advance_watermark(self, live: list[int]) -> None:
+        """Move the watermark past the consumed or retired groups at the head of ``live`` (the sequence numbers
+        of the draw's ``group_spans()``: reading them again here would renumber the rows just drawn)."""
+        for seq in live:
+            if seq < self._watermark:
+                continue
             if int(seq) not in self._done:
                 break
             self._done.discard(int(seq))
@@ -123,42 +129,44 @@ class FreshGroupSampler(Sampler):
             self._watermark = int(seq) + 1
 
     def available_groups(self, storage: Storage) -> int:
-        return int(self._fresh_spans(storage).shape[0])
+        return int(self._fresh_spans(storage)[0].shape[0])
 
     def can_sample(self, storage: Storage, batch_size: int | None = None) -> bool:
         return self.available_groups(storage) >= self.num_groups
 
     def sample(self, storage: Storage, batch_size: int | None = None) -> tuple[torch.Tensor, dict]:
-        """Draw, then have the storage open what the draw reads (``hold``), so that the buffer's
-        ``storage.get(index)`` that follows needs no file an evictor may delete meanwhile. Groups evicted
-        between the draw and the hold make the hold raise :class:`StaleReadError`: draw again."""
+        """Draw, then have the storage hold the draw (``hold``): the buffer's ``storage.get(index)`` that
+        follows then reads exactly the drawn groups, under the numbering they were drawn from, whatever is
+        evicted or renumbered meanwhile. Groups whose files were deleted between the draw and the hold make it
+        raise :class:`StaleReadError`: draw again."""
         for _ in range(REDRAWS):
-            chosen = self._draw(storage)
+            chosen, live = self._draw(storage)
             index = torch.cat([torch.arange(int(s), int(e)) for _, s, e in chosen.tolist()])
             try:
                 if is_group_store(storage) and storage.holds_reads:
-                    storage.hold(index)
+                    storage.hold(index, group_seqs=chosen[:, 0].tolist())
             except StaleReadError:
                 continue  # nothing was consumed yet
             if self.consume:
                 self._done.update(int(s) for s in chosen[:, 0].tolist())
                 self.consumed_groups += self.num_groups
-                self._advance_watermark(storage)
+                self._advance_watermark(live)
             return index, {"group_seq": chosen[:, 0].clone(), "group_spans": chosen.clone()}
         raise StaleReadError(f"the groups drawn were evicted before they could be read, {REDRAWS} times in a row: "
                              "retention evicts faster than this learner samples; raise max_size")
 
-    def _draw(self, storage: Storage) -> torch.Tensor:
-        """The spans of ``num_groups`` fresh groups: the oldest (consume) or random ones."""
-        fresh = self._fresh_spans(storage)
+    def _draw(self, storage: Storage) -> tuple[torch.Tensor, list[int]]:
+        """The spans of ``num_groups`` fresh groups, the oldest (consume) or random ones, and the sequence
+        numbers of the live groups they were drawn among."""
+        fresh, live = self._fresh_spans(storage)
         if fresh.shape[0] < self.num_groups:
             raise RuntimeError(
                 f"only {fresh.shape[0]} fresh group(s) available, {self.num_groups} needed; "
                 "check can_sample() first or wait for the collectors"
             )
         if self.consume:
-            return fresh[: self.num_groups]
-        return fresh[torch.randperm(fresh.shape[0], generator=self._rng)[: self.num_groups]]
+            return fresh[: self.num_groups], live
+        return fresh[torch.randperm(fresh.shape[0], generator=self._rng)[: self.num_groups]], live
 
     # -- torchrl Sampler plumbing ------------------------------------------------------------------------------
     def _empty(self) -> None:

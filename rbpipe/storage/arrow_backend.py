@@ -240,7 +240,9 @@ class ArrowBackend(Backend):
 
     def _view(self, block: int) -> dict:
         """numpy views (writable, copy-on-write) of one batch's columns."""
-        v = self._views.get(block)
+        v = self._pins.get(block)
+        if v is None:
+            v = self._views.get(block)
         if v is not None:
             return v
         name, off, length = self._block_locs[block]
@@ -321,8 +323,8 @@ class ArrowBackend(Backend):
                 self._views = {b: v for b, v in self._views.items() if self._block_locs[b][0] != name}
                 self._wholes = {b: v for b, v in self._wholes.items() if b in self._views}
 
-    def hold_block(self, block: int) -> None:
-        self._view(block)
+    def hold_block(self, block: int) -> dict:
+        return self._view(block)  # its arrays reference the segment's map: readable after the file is deleted
 
     def on_move(self, rec: dict) -> None:
         self._views = {b: v for b, v in self._views.items() if self._block_locs[b][0] != rec.get("from")}

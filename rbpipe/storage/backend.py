@@ -21,11 +21,12 @@ Columns, as ``columns.py`` defines them: a fixed column is one ``[rows, *shape]`
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,15 +40,25 @@ if TYPE_CHECKING:
     from rbpipe.storage.ledger import Ledger
 
 
-def write_error(store: Path, err: OSError) -> StoreError:
+class WriteError(StoreError):
+    """A group could not be written (nothing of it committed); ``why`` says the cause in plain words."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+def write_error(store: Path, err: OSError) -> WriteError:
     """A failed write of a group in plain words; what was half-written is unreachable (no commit line)."""
     plain: dict[int | None, str] = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
                                     errno.EROFS: "the store is on a read-only file system",
-                                    errno.EACCES: "permission denied"}
+                                    errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}
     why = plain.get(err.errno, str(err))
-    return StoreError(f"could not write a group to the store {store}: {why}. Nothing of this group was "
+    if err.filename and err.errno in plain:
+        why += f" ({err.filename})"
+    return WriteError(f"could not write a group to the store {store}: {why}. Nothing of this group was "
                       "committed and the groups already stored are intact; free space / make the store "
-                      "writable, then retry (or write to another --store)")
+                      "writable, then retry (or write to another --store)", why)
 
 
 def writer_id() -> str:
@@ -75,6 +86,7 @@ class Backend(LedgerEvents):
     def __init__(self, path: Path, ledger: Ledger, *, evicts: bool) -> None:
         self.path, self.ledger, self.evicts = path, ledger, evicts
         self.schema: Any = ledger.schema  # the store's ``layout.Schema`` (None until the first group)
+        self._pins: dict[int, Any] = {}  # block -> what hold_block returned, while a held read runs
 
     def on_schema(self, schema: Any) -> None:
         self.schema = schema  # kept here: every gather reads it
@@ -108,8 +120,19 @@ class Backend(LedgerEvents):
         """The decoded table of ``block`` when rows ``first..stop`` are all of it, else None (``whole_tables``)."""
         return None
 
-    def hold_block(self, block: int) -> None:
-        """Open (map, or read into the cache) what ``gather`` reads for ``block``."""
+    def hold_block(self, block: int) -> Any:
+        """Open (map, or read into memory) what ``gather`` reads for ``block`` and return it: whoever keeps the
+        returned object can read the block later through :meth:`pinned`, even once its groups are evicted and
+        its file deleted (a mapped or read file stays readable)."""
+
+    @contextlib.contextmanager
+    def pinned(self, tables: dict[int, Any]) -> Iterator[None]:
+        """Reads inside use ``tables`` (block -> what :meth:`hold_block` returned) for those blocks."""
+        old, self._pins = self._pins, tables
+        try:
+            yield
+        finally:
+            self._pins = old
 
     # -- retention and maintenance ------------------------------------------------------------------------
     def after_commit(self) -> None:

@@ -12,9 +12,11 @@ numbered by *position* among the live groups in commit order (see ``ledger.Ledge
 from __future__ import annotations
 
 import os
+import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,12 +31,22 @@ from rbpipe.storage.columns import NestedKey, Schema, from_storage_np, key_tuple
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict
 from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
+from rbpipe.storage.group_index import View
 from rbpipe.storage.ledger import Ledger
 
 if TYPE_CHECKING:
     from rbpipe.storage.catalog import CatalogBuffer
 
 UNBOUNDED = torch.iinfo(torch.int64).max
+MAX_PINS = 4  # held reads kept (a sampler holds each draw until its read; torchrl may prefetch a few)
+
+
+class _Pin(NamedTuple):
+    """A draw held for its read: its rows, the numbering they were drawn under, and its blocks kept open."""
+
+    rows: np.ndarray
+    view: View
+    tables: dict[int, Any]
 
 DEFAULT_CATALOG_COLUMNS: dict[str, tuple[NestedKey, str]] = {
     "returns": (REWARD_KEY, "value"),
@@ -95,6 +107,10 @@ class GroupStorage(Storage):
         self._pid = os.getpid()
         self._catalog: CatalogBuffer | None = None  # made at the first commit (pyarrow is imported then)
         self._refresh()
+        self._view: View = self._ledger.index.view()  # the numbering tensor indices are read against
+        self._pins: OrderedDict[bytes, _Pin] = OrderedDict()  # held draws, by their rows
+        #: what failed after a commit and is retried (``"retention"``, ``"catalogue"`` -> the last error, plain)
+        self.maintenance_errors: dict[str, str] = {}
         self.torn_tail = self.check_tail()
 
     # -- the ledger's state, under the names tests and retention.disk_bound read -------------------------
@@ -105,11 +121,17 @@ class GroupStorage(Storage):
     _schema = property(lambda self: self._ledger.schema)
 
     def _refresh(self) -> None:
+        """Read what other processes committed. The numbering of reads (:meth:`_take_view`) stays as it was."""
         self._ledger.refresh()
 
-    def _index(self) -> tuple[np.ndarray, ...]:
-        """Arrays over live groups in commit order: seq, first row, stop row, block id, local row start."""
-        return self._ledger.index.arrays()
+    def _take_view(self) -> View:
+        """Refresh and make the current numbering the one integer indices are read against: ``len()``,
+        ``group_spans()`` and ``append_group()`` do, the calls a caller learns row numbers from. Nothing else
+        renumbers them (a failed read, ``schema``, ``live_bytes``...): rows drawn from one of those calls
+        keep naming the groups they named, whatever was evicted since."""
+        self._ledger.refresh()
+        self._view = self._ledger.index.view()
+        return self._view
 
     def committed_member_ids(self) -> set[str]:
         """Every ``member_ids`` entry ever committed (evicted groups included): lets a recovering writer
@@ -118,13 +140,12 @@ class GroupStorage(Storage):
         return set(self._ledger.member_ids)
 
     def __len__(self) -> int:
-        self._refresh()
-        return self._ledger.index.rows
+        return self._take_view().rows
 
     def group_spans(self) -> torch.Tensor:
-        """``[n_groups, 3]`` int64: (commit sequence number, first row, stop row) of live groups, oldest first."""
-        self._refresh()
-        seqs, starts, stops = self._index()[:3]
+        """``[n_groups, 3]`` int64: (commit sequence number, first row, stop row) of live groups, oldest first.
+        Integer indices are read against these rows until the next ``len()``/``group_spans()``/append."""
+        seqs, starts, stops = self._take_view().arrays()[:3]
         return torch.from_numpy(np.stack([seqs, starts, stops], 1) if len(seqs) else np.zeros((0, 3), np.int64))
 
     @property
@@ -154,6 +175,12 @@ class GroupStorage(Storage):
         committed and an empty index is returned. The check runs under the commit-log lock. ``member_ids``
         (opaque strings naming what this commit consumed, e.g. staged payloads) are recorded with it: see
         :meth:`committed_member_ids`. ``td`` may hold members of varying lengths as jagged leaves.
+
+        The commit line is the last thing that can fail: the schema is committed only once the group passed
+        its checks, and what follows the commit (retention, file deletion, the catalogue) never raises: a
+        failure there is recorded (:attr:`maintenance_errors`, a warning) and retried at later commits and at
+        :meth:`close` (the commit log stays the truth; ``repair_catalog`` rebuilds the catalogue from it).
+        A caller that sees an error can therefore retry: nothing of the group was committed.
         """
         from rbpipe.storage.catalog import CatalogBuffer, catalog_values
 
@@ -161,10 +188,14 @@ class GroupStorage(Storage):
             self._after_fork()
         ledger = self._ledger
         ledger.refresh()
-        if ledger.schema is None:
-            ledger.commit_schema(Schema.infer(td, self.ragged_keys))
-        cols = ledger.schema.split(td)  # raises SchemaError before anything is written
+        schema = ledger.schema if ledger.schema is not None else Schema.infer(td, self.ragged_keys)
+        cols = schema.split(td)  # raises SchemaError before anything is written, the first group's schema too
         try:
+            first = ledger.schema is None
+            if first:  # this group is accepted: its schema becomes the store's, unless another writer's won
+                ledger.commit_schema(schema)
+            if first and ledger.schema.to_json() != schema.to_json():
+                cols = ledger.schema.split(td)
             loc, nbytes = self._backend.write_group(cols)
         except OSError as err:
             raise write_error(self.path, err) from err
@@ -180,16 +211,36 @@ class GroupStorage(Storage):
             raise write_error(self.path, err) from err
         if rec is None:
             return torch.zeros(0, dtype=torch.int64)
-        self._retain()
+        # committed: from here on nothing raises (a caller retrying a "failed" write would store it twice)
+        self._maintain("retention", self._retain)
         if self._catalog is None:
             self._catalog = CatalogBuffer(self.path, self.catalog_columns, self.catalog_every,
                                           self.catalog_interval_s)
-        self._catalog.add(rec)
+        self._catalog.pending.append(rec)
+        self._maintain("catalogue", self._catalog.flush_due)
+        self._view = ledger.index.view()  # the numbering the returned rows are in
         start = ledger.index.start_of(rec["seq"])
         if start is None:  # evicted at once (larger than max_size/max_bytes)
             return torch.zeros(0, dtype=torch.int64)
         self._bump_mutation_revision()
         return torch.arange(start, start + cols.n)
+
+    def _maintain(self, what: str, job) -> bool:
+        """Run ``job`` (work after a commit: retention, the catalogue); an ``OSError`` is recorded in
+        :attr:`maintenance_errors` and warned about once, never raised (the job runs again at the next
+        commit or ``close``). Whether it succeeded."""
+        try:
+            job()
+        except OSError as err:
+            first = what not in self.maintenance_errors
+            self.maintenance_errors[what] = f"{what} of the store {self.path}: {write_error(self.path, err).why}"
+            if first:
+                warnings.warn(f"{self.maintenance_errors[what]}; the groups are committed (the commit log is the "
+                              "truth), and this is retried at the next commit and at close()", RuntimeWarning,
+                              stacklevel=3)
+            return False
+        self.maintenance_errors.pop(what, None)
+        return True
 
     def _retain(self) -> None:
         """Evict the oldest groups beyond ``max_size``/``max_bytes`` and free their files (the disk bound of
@@ -237,10 +288,15 @@ class GroupStorage(Storage):
             self._catalog.flush()
 
     def close(self) -> None:
-        """Flush the catalogue and seal this process's segment (readers keep working)."""
+        """Seal this process's segment (readers keep working), then retry what failed after a commit
+        (retention's file deletion) and flush the catalogue. Those two only warn when they fail again: every
+        group is committed, and ``repair_catalog`` writes the catalogue rows a failed flush left out."""
         if os.getpid() == self._pid:
-            self.flush_catalog()
             self._backend.seal()
+            if "retention" in self.maintenance_errors:
+                self._maintain("retention", self._backend.after_evict)
+            if self._catalog is not None:
+                self._maintain("catalogue", self._catalog.flush)
 
     def __del__(self):
         try:
@@ -251,9 +307,9 @@ class GroupStorage(Storage):
     # -- reads --------------------------------------------------------------------------------------------
     def _rows(self, index) -> tuple[np.ndarray, bool]:
         """``index`` as int64 rows (and whether it was a scalar). Integer tensors and arrays (what samplers
-        hand over) are read against the rows known at the last refresh, which ``len()`` does and a sampler
-        calls before it draws: an eviction in between does not shift the drawn rows under it. A row past
-        that snapshot, or any other kind of index, refreshes first."""
+        hand over) are read against the numbering of the last ``len()``/``group_spans()``/append
+        (:meth:`_take_view`), which a sampler calls before it draws: an eviction in between does not shift the
+        drawn rows under it. A row past that numbering, or any other kind of index, takes a new one first."""
         if isinstance(index, tuple) and len(index) == 1:
             index = index[0]
         if isinstance(index, (torch.Tensor, np.ndarray)) and index.ndim == 1:
@@ -261,7 +317,7 @@ class GroupStorage(Storage):
                 rows = index.numpy()  # a view, no conversion
             else:
                 rows = np.asarray(torch.as_tensor(index).numpy(), dtype=np.int64)
-            if not rows.size or rows.view(np.uint64).max() < self._ledger.index.rows:  # one pass: negatives read huge
+            if not rows.size or rows.view(np.uint64).max() < self._view.rows:  # one pass: negatives read huge
                 return rows, False
             return self._in_range(rows, len(self)), False
         n = len(self)
@@ -287,16 +343,16 @@ class GroupStorage(Storage):
                 raise IndexError(f"row index out of range for a store of {n} rows")
         return rows
 
-    def _gather_rows(self, rows: np.ndarray) -> dict[tuple, Any]:
-        """Columns of ``rows``: fixed ones as one array, ragged ones as a list of (flat values, shapes)
-        parts in row order. Parts are views of the mapped segments where possible: concatenating them
-        here would allocate (and page-fault in) a fresh buffer on every sample."""
+    def _gather_rows(self, rows: np.ndarray, view: View) -> dict[tuple, Any]:
+        """Columns of ``rows`` (numbered as in ``view``): fixed ones as one array, ragged ones as a list of
+        (flat values, shapes) parts in row order. Parts are views of the mapped segments where possible:
+        concatenating them here would allocate (and page-fault in) a fresh buffer on every sample."""
         backend, columns = self._backend, self._schema.columns
-        one = self._ledger.index.one_block()
+        one = view.one
         if one is not None and rows.size:  # a compacted store: one gather, no per-row block lookup
             parts = [backend.gather(one[0], rows + one[1])]
             return {c.key: [p[c.key] for p in parts] if c.ragged else parts[0][c.key] for c in columns}
-        seqs, starts, stops, blocks, local = self._index()
+        seqs, starts, stops, blocks, local = view.arrays()
         groups = whole_groups(rows, starts, stops)
         if groups is not None and len(groups) > 1 and backend.whole_tables:
             # whole groups (what GRPO samples) of whole blocks: one multi-threaded copy (a single group is
@@ -349,54 +405,93 @@ class GroupStorage(Storage):
         ``"nested"`` (the default where possible), a TensorDict whose ragged keys are jagged ``torch.nested``
         tensors (values + offsets, no copy per row, no padding); ``"rows"``, a LazyStackedTensorDict of rows;
         ``"padded"``, a dense TensorDict right-padded with zeros plus each ragged key's per-row length under
-        ``("lengths", *key)``."""
-        rows, scalar = self._rows(index)
+        ``("lengths", *key)``.
+
+        Integer indices are read against the numbering they were drawn from (see :meth:`_rows`); an index
+        passed to :meth:`hold` first is read exactly as held, whatever was evicted or renumbered since."""
+        pin = self._pin_of(index)
+        if pin is not None:
+            rows, scalar, view = pin.rows, False, pin.view
+        else:
+            rows, scalar = self._rows(index)
+            view = self._view
         if self._schema is None:
             raise IndexError("the store is empty")
-        data = self._read_snapshot(self._gather_rows, rows)
+        with self._backend.pinned(pin.tables if pin is not None else {}):
+            data = self._read_snapshot(self._gather_rows, rows, view)
         td = to_tensordict(self._schema, self.ragged_layout, data, len(rows))
         return td[0] if scalar else td
 
-    def _read_snapshot(self, read, rows: np.ndarray):
-        """``read(rows)``, where ``rows`` number the live groups of the last refresh. If a file is gone, a
-        compaction moved those groups (refresh: they are read where they are now) or an eviction deleted
-        them (:class:`StaleReadError`): never the same row numbers under a newer numbering, which would be
-        other groups."""
+    def _read_snapshot(self, read, rows: np.ndarray, view: View):
+        """``read(rows, view)``, where ``rows`` number the live groups of ``view``. If a file is gone, a
+        compaction moved those groups (refresh: they are read where they are now), an eviction deleted them
+        (:class:`StaleReadError`), or nothing explains it (a :class:`StoreError` naming the file): never the
+        same row numbers under a newer numbering, which would be other groups."""
         for _ in range(3):
             try:
-                return read(rows)
-            except FileNotFoundError:
-                rows = self._remap(rows)
+                return read(rows, view)
+            except FileNotFoundError as err:
+                rows, view = self._remap(rows, view, err)
         raise StaleReadError(f"the groups read from {self.path} kept moving (compactions); draw again")
 
-    def _remap(self, rows: np.ndarray) -> np.ndarray:
-        """Refresh, and return where the groups of ``rows`` (numbered before it) are now; StaleReadError
-        when one of them was evicted since."""
-        seqs, starts, stops = self._index()[:3]
-        g = np.searchsorted(stops, rows, side="right")
-        want, offset = seqs[g], rows - starts[g]
-        self._refresh()
-        seqs, starts = self._index()[:2]
-        i = np.minimum(np.searchsorted(seqs, want), max(len(seqs) - 1, 0))
-        if not len(seqs) or (seqs[i] != want).any():
+    def _remap(self, rows: np.ndarray, view: View, err: FileNotFoundError) -> tuple[np.ndarray, View]:
+        """Where the groups of ``rows`` (numbered as in ``view``) are after a refresh, with that numbering;
+        StaleReadError when one of them was evicted since. ``err`` (a file of theirs is missing) with every
+        one of them still live where ``view`` had it is damage: a StoreError naming the file (retention and
+        ``compact()`` record an eviction or a move before they delete a file)."""
+        g = np.searchsorted(view.stops, rows, side="right")
+        want, offset, was = view.seqs[g], rows - view.starts[g], view.blocks[g]
+        self._ledger.refresh()
+        now = self._ledger.index.view()
+        i = np.minimum(np.searchsorted(now.seqs, want), max(len(now.seqs) - 1, 0))
+        if not len(now.seqs) or (now.seqs[i] != want).any():
             raise StaleReadError(f"rows drawn from {self.path} belong to groups evicted (and deleted) since; "
-                                 "refresh (len(storage)) and draw again")
-        return starts[i] + offset
+                                 "take the rows again (len(storage) or group_spans()) and draw again")
+        if (now.blocks[i] == was).all():
+            seqs = np.unique(want).tolist()
+            raise StoreError(f"the data file {err.filename!r} of the store {str(self.path)!r} is missing, but the "
+                             f"commit log says its group(s) (seq {', '.join(map(str, seqs[:4]))}"
+                             f"{', ...' if len(seqs) > 4 else ''}) are live there: it was deleted or moved by hand "
+                             "(rbpipe deletes a file only after recording an eviction or a move); restore it from "
+                             "a backup") from None
+        return now.starts[i] + offset, now
 
-    def hold(self, index) -> None:
-        """Open every file ``get(index)`` reads, at the current view (no refresh), so that that read needs
-        no file an evictor may delete meanwhile: a sampler calls it before handing ``index`` out and draws
-        again on :class:`StaleReadError`. Costs nothing extra: ``get`` reuses what this opened."""
+    def _pin_of(self, index) -> _Pin | None:
+        """The held draw whose rows are ``index`` (the tensor a sampler returned after :meth:`hold`), if any."""
+        if not self._pins or not isinstance(index, (torch.Tensor, np.ndarray)) or index.ndim != 1:
+            return None
+        rows = index.numpy() if isinstance(index, torch.Tensor) else index
+        if rows.dtype != np.int64:
+            return None
+        return self._pins.get(rows.tobytes())
+
+    def hold(self, index, *, group_seqs: Sequence[int] | None = None) -> None:
+        """Keep what ``get(index)`` reads open, under the numbering ``index`` was drawn from (the last
+        ``len()``/``group_spans()``), so that that read returns exactly the drawn groups: a later refresh
+        renumbers nothing for it, and an evictor deleting their files meanwhile changes nothing (a mapped or
+        read file stays readable). A sampler calls it before handing ``index`` out, and draws again on
+        :class:`StaleReadError`: the drawn groups' files are gone already, or ``group_seqs`` (the commit
+        sequence numbers of the drawn groups) are not the groups ``index`` names in that numbering."""
         rows, _ = self._rows(index)
         if not rows.size or self._schema is None:
             return
-        stops, blocks = self._index()[2:4]
-        for b in np.unique(blocks[np.searchsorted(stops, rows, side="right")]).tolist():
+        view = self._view
+        g = np.searchsorted(view.stops, rows, side="right")
+        if group_seqs is not None and np.unique(view.seqs[g]).tolist() != sorted(int(s) for s in group_seqs):
+            raise StaleReadError(f"the rows drawn from {self.path} no longer name the groups drawn (the store was "
+                                 "renumbered between the draw and the hold); draw again")
+        tables = {}
+        for b in np.unique(view.blocks[g]).tolist():
             try:
-                self._backend.hold_block(b)
+                tables[b] = self._backend.hold_block(b)
             except FileNotFoundError as err:
-                raise StaleReadError(f"rows drawn from {self.path} belong to groups evicted (and deleted) "
-                                     "since; refresh (len(storage)) and draw again") from err
+                self._remap(rows, view, err)  # StaleReadError if evicted, StoreError if damaged
+                raise StaleReadError(f"rows drawn from {self.path} belong to groups moved by compact() since; "
+                                     "draw again") from err
+        self._pins[rows.tobytes()] = _Pin(rows.copy(), view, tables)
+        self._pins.move_to_end(rows.tobytes())
+        while len(self._pins) > MAX_PINS:
+            self._pins.popitem(last=False)
 
     def read_column(self, key: NestedKey, rows=None) -> torch.Tensor:
         """A fixed-shape column (all live rows, or ``rows``) as one tensor; the samplers' fast path. Like
@@ -409,7 +504,7 @@ class GroupStorage(Storage):
             raise SchemaError(f"read_column needs a fixed-shape column; {'.'.join(key)!r} is "
                               f"{'ragged' if col else 'not in the store'}")
         r, _ = self._rows(slice(None) if rows is None else rows)
-        return self._read_snapshot(lambda r: self._read_column(col, r), r)
+        return self._read_snapshot(lambda r, view: self._read_column(col, r, view), r, self._view)
 
     def group_minimums(self, key: NestedKey, seqs: Sequence[int]) -> dict[int, int]:
         """The smallest value of the one-element integer column ``key`` in each live group of ``seqs``, from the
@@ -433,9 +528,9 @@ class GroupStorage(Storage):
                 out[int(seq)] = int(min(values))
         return out
 
-    def _read_column(self, col, r: np.ndarray) -> torch.Tensor:
+    def _read_column(self, col, r: np.ndarray, view: View) -> torch.Tensor:
         key = col.key
-        seqs, starts, stops, blocks, local = self._index()
+        seqs, starts, stops, blocks, local = view.arrays()
         g = np.searchsorted(stops, r, side="right")
         blk, loc = blocks[g], r - starts[g] + local[g]
         out = np.empty((len(r), *col.shape, *((2,) if col.complex else ())), col.np_dtype)
@@ -465,8 +560,8 @@ class GroupStorage(Storage):
         self.load_state_dict(json.loads((Path(path) / "storage_state.json").read_text()))
 
     def __getstate__(self) -> dict:
-        if os.getpid() == self._pid:
-            self.flush_catalog()
+        if os.getpid() == self._pid and self._catalog is not None:
+            self._maintain("catalogue", self._catalog.flush)
         return {"path": str(self.path), "init_args": self._init_args}
 
     def __setstate__(self, state: dict) -> None:
@@ -476,9 +571,12 @@ class GroupStorage(Storage):
         """``ReplayBuffer.empty()``: evict every committed group."""
         if self._ledger.evict_all():
             self._backend.after_evict()
+        self._take_view()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(path={str(self.path)!r}, rows={len(self)}, groups={len(self._groups)})"
+        self._refresh()  # (not len(): showing a store must not renumber the reads of its drawn rows)
+        rows, groups = self._ledger.index.rows, len(self._groups)
+        return f"{type(self).__name__}(path={str(self.path)!r}, rows={rows}, groups={groups})"
 
     def compact(self) -> int:
         """Rewrite the live groups of sealed segments into one block; returns the number of groups moved
@@ -534,6 +632,7 @@ class GroupStorage(Storage):
     def _after_fork(self) -> None:
         self._pid = os.getpid()
         self._catalog = None  # the parent's pending rows are the parent's to flush
+        self._pins.clear()  # the parent's draws are the parent's to read
         self._backend.after_fork()
 
     def check_tail(self) -> dict:

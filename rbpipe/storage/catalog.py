@@ -64,6 +64,7 @@ def write_catalog_rows(store: Path, records: list[dict], catalog_columns) -> Non
     table = _table([_row(r, names) for r in records], names)
     first, last = records[0]["seq"], records[-1]["seq"]
     final = Path(store) / CATALOG_DIR / f"{first:012d}-{last:012d}-{os.getpid()}.parquet"
+    final.parent.mkdir(exist_ok=True)  # deleted by hand: the catalogue is rebuilt from the log, into a new one
     # no fsync: the commit log is the source of truth, and repair_catalog rewrites what a crash lost
     atomic_write(final, lambda tmp: pq.write_table(table, tmp), fsync=False,
                  tmp_name="." + final.name + ".tmp")
@@ -105,16 +106,31 @@ class CatalogBuffer:
     def __init__(self, store: Path, columns: dict, every: int, interval_s: float) -> None:
         self.store, self.columns, self.every, self.interval_s = store, columns, every, interval_s
         self.pending: list[dict] = []
+        self.failed_at: float | None = None  # commit time at which the last flush failed
 
     def add(self, rec: dict) -> None:
         self.pending.append(rec)
-        if len(self.pending) >= self.every or rec["time"] - self.pending[0]["time"] >= self.interval_s:
-            self.flush()
+        self.flush_due()
+
+    def flush_due(self) -> None:
+        """Flush when ``every`` rows wait or the oldest waited ``interval_s``. A flush that failed keeps its
+        rows and is tried again ``interval_s`` later (not at every commit: each try costs a file write)."""
+        if not self.pending:
+            return
+        now = self.pending[-1]["time"]
+        if self.failed_at is not None and now - self.failed_at < self.interval_s:
+            return
+        if len(self.pending) >= self.every or now - self.pending[0]["time"] >= self.interval_s:
+            try:
+                self.flush()
+            except OSError:
+                self.failed_at = now
+                raise
 
     def flush(self) -> None:
         if self.pending:
             write_catalog_rows(self.store, self.pending, self.columns)
-            self.pending = []
+            self.pending, self.failed_at = [], None
 
 
 def read_catalog(path: str | os.PathLike) -> pa.Table:

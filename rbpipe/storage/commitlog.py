@@ -65,6 +65,7 @@ class CommitLog:
     def __init__(self, path: str | os.PathLike, *, read_only: bool = False):
         self.path = Path(path)
         self.read_only = read_only
+        self._refused: OSError | None = None
         try:
             self._fd = (os.open(self.path, os.O_RDONLY) if read_only else
                         os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644))
@@ -73,6 +74,7 @@ class CommitLog:
                 raise
             self._fd = os.open(self.path, os.O_RDONLY)
             self.read_only = True
+            self._refused = err  # why it is read-only: a write says so (EACCES is not a read-only file system)
         self._offset = 0
         self.next_seq = 0
         self.torn_lines = 0  # complete lines that failed their checksum (a writer died mid-line)
@@ -110,7 +112,10 @@ class CommitLog:
         """Under the lock: catch up (``apply`` the new records), build the record for the next sequence
         number with ``make`` (which may raise: nothing is written), and write it as one line."""
         if self.read_only:
-            raise OSError(errno.EROFS, f"{self.path} was opened read-only")
+            why = self._refused
+            raise OSError(why.errno if why is not None else errno.EROFS,
+                          f"{self.path} was opened read-only" + (f" ({why.strerror})" if why is not None else ""),
+                          str(self.path))
         with self.locked():
             apply(self.read_new())
             if self.pending_bytes:  # a dead writer's torn tail: terminate it so it reads as one bad line

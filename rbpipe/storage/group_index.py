@@ -8,9 +8,25 @@ and only a ``move`` record (compaction, rare) rebuilds the block columns.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
+
+
+class View(NamedTuple):
+    """The live groups' row positions at one moment (immutable): what a read of drawn row numbers uses, so
+    that later evictions, which renumber the rows, never change which groups those numbers name."""
+
+    seqs: np.ndarray
+    starts: np.ndarray
+    stops: np.ndarray
+    blocks: np.ndarray
+    local: np.ndarray
+    rows: int
+    one: tuple[int, int] | None  # ``GroupIndex.one_block`` at that moment
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.seqs, self.starts, self.stops, self.blocks, self.local
 
 
 class GroupIndex:
@@ -29,6 +45,7 @@ class GroupIndex:
         self.rows = 0  # live rows
         self._cache: tuple[np.ndarray, ...] | None = None
         self._one: tuple[int, int] | Literal[False] | None = None
+        self._view: View | None = None
 
     def append(self, seq: int, n: int, block: int, local: int) -> None:
         if self._k == len(self._cols["seq"]):
@@ -78,7 +95,7 @@ class GroupIndex:
     def arrays(self) -> tuple[np.ndarray, ...]:
         """(seqs, starts, stops, blocks, local rows) of the live groups, oldest first."""
         if self._cache is None:
-            self._one = None
+            self._one = self._view = None
             s = slice(self._lo, self._k)
             base = self._base()
             stops = self._cols["end"][s] - base
@@ -94,6 +111,13 @@ class GroupIndex:
             single = len(blocks) > 0 and (blocks == blocks[0]).all() and (local - starts == local[0]).all()
             self._one = (int(blocks[0]), int(local[0])) if single else False
         return self._one or None
+
+    def view(self) -> View:
+        """The current positions as an immutable :class:`View` (the same object until the next change)."""
+        seqs, starts, stops, blocks, local = self.arrays()  # (re)computed after any change, which resets _view
+        if self._view is None:
+            self._view = View(seqs, starts, stops, blocks, local, self.rows, self.one_block())
+        return self._view
 
     def __len__(self) -> int:
         return self._k - self._lo

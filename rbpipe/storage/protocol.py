@@ -12,9 +12,11 @@ by the store, as class attributes, and checked in one place (:func:`is_group_sto
 * ``accepts_jagged``: ``td`` may hold members of varying lengths as one TensorDict of ``[n, j]`` jagged
   leaves (``rbpipe.members``), which such a store writes as cheaply as dense ones.
 * ``idempotent_commits``: ``append_group`` honours ``commit_id``/``member_ids``.
-* ``holds_reads``: ``hold(index)`` opens every file a later ``get(index)`` reads (raising
-  :class:`~rbpipe.errors.StaleReadError` when the rows were evicted), so that a sampler can draw again
-  instead of handing out rows an evictor may delete before the read.
+* ``holds_reads``: ``hold(index, group_seqs=...)`` keeps what a later ``get(index)`` reads open, under the
+  numbering ``index`` was drawn from, so that that read returns exactly the drawn groups whatever is evicted
+  or renumbered meanwhile (raising :class:`~rbpipe.errors.StaleReadError` when they are gone already, or
+  when ``index`` no longer names the groups ``group_seqs``): a sampler draws again instead of handing out
+  rows that would read other groups.
 * ``group_minimums(key, seqs)``: each group's smallest value of a one-element integer column (the policy
   version), from what the store already knows of it (its commit record), for the groups it can answer
   without reading data; the sampler reads the column for the others.
@@ -44,7 +46,7 @@ class GroupStore(Protocol):
 
     def committed_member_ids(self) -> set[str]: ...
 
-    def hold(self, index: torch.Tensor) -> None: ...
+    def hold(self, index: torch.Tensor, *, group_seqs: Sequence[int] | None = None) -> None: ...
 
     def group_minimums(self, key: Any, seqs: Sequence[int]) -> dict[int, int]: ...
 

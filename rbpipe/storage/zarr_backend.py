@@ -440,8 +440,8 @@ class ZarrBackend(Backend):
                     if raw is not None:
                         raw.drop(k)
 
-    def hold_block(self, block: int) -> None:
-        self._cached_group(block)
+    def hold_block(self, block: int) -> dict:
+        return self._cached_group(block)  # the group's columns, read into memory
 
     def after_evict(self) -> None:
         """Delete the chunk files whose groups are all evicted and whose writer has moved past them or died
@@ -502,6 +502,9 @@ class ZarrBackend(Backend):
         return self._cached_group(block) if first == block and stop - block == self._group_rows[block] else None
 
     def _cached_group(self, block: int) -> dict:
+        group = self._pins.get(block)
+        if group is not None:
+            return group
         group = self._cache.get(block)
         if group is None:
             return self._read_group(block, self._group_rows[block])

@@ -73,6 +73,9 @@ def test_zarr_read_of_a_deleted_chunk_raises_instead_of_reading_zeros(tmp_path):
         reader.get(torch.arange(0, 8))
     with pytest.raises(StaleReadError):
         column_reader.read_column("group_id", torch.arange(0, 4))
+    with pytest.raises(StaleReadError):  # the same rows again: still the groups drawn, still gone
+        reader.get(torch.arange(0, 8))
+    assert len(reader) == 8  # rows taken again (as the error says): now they name the live groups
     assert _exact(reader.get(torch.arange(0, 8)), [(100, 4), (101, 4)])
 
 
@@ -108,11 +111,11 @@ def test_sampler_redraws_when_its_groups_vanish_before_they_are_held(tmp_path, m
     sampler = FreshGroupSampler(num_groups=2)
     real, calls = ArrowStorage.hold, []
 
-    def flaky(self, index):
+    def flaky(self, index, **kwargs):
         calls.append(index)
         if len(calls) == 1:
             raise StaleReadError("gone")
-        return real(self, index)
+        return real(self, index, **kwargs)
 
     monkeypatch.setattr(ArrowStorage, "hold", flaky)
     index, info = sampler.sample(s)

@@ -1,7 +1,14 @@
-"""``WriterLock``: one launcher per store. A lock file naming the holder (pid, host), stale-safe."""
+"""``WriterLock``: one launcher per store. The lock is an ``flock`` on ``STORE/.lock``, not the pid written in it.
+
+A pid says nothing once its process is gone (another process may get it) and nothing across PID namespaces,
+and taking over a "stale" pid-file lock is a race between everyone who found it stale: three processes at
+once could end with two holders. An ``flock`` is released by the kernel when its holder exits, however it
+exits, so there is no stale lock to take over: whoever gets the ``flock`` holds the store.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -9,8 +16,6 @@ import time
 from pathlib import Path
 
 from rbpipe.errors import StoreLockedError
-from rbpipe.fsutil import atomic_write
-from rbpipe.procs import pid_alive
 
 LOCK_FILE = ".lock"
 
@@ -18,74 +23,81 @@ LOCK_FILE = ".lock"
 class WriterLock:
     """Exclusive writer lock of a store directory (``STORE/.lock``).
 
-    ``acquire()`` creates the lock file atomically (``fsutil.atomic_write`` without replacing) with this process's
-    pid and host. If it exists and its holder is alive, :class:`StoreLockedError` names the holder; if the holder
-    is a dead pid on this host, the stale lock is taken over. Readers never need it.
+    ``acquire()`` opens (or creates) the lock file and takes an exclusive, non-blocking ``flock`` on it, then
+    writes this process's pid, host and start time into it for people to read. If another process holds the
+    ``flock``, :class:`StoreLockedError` names it (from what it wrote). A holder that dies releases the lock
+    with its last descriptor; a lock file left behind is simply locked again. Readers never need it.
+
+    Examples:
+        >>> import tempfile
+        >>> store = tempfile.mkdtemp()
+        >>> with WriterLock(store) as lock:
+        ...     lock.held
+        True
+        >>> import shutil; shutil.rmtree(store)
     """
 
     def __init__(self, store_path: str | os.PathLike):
         self.path = Path(store_path) / LOCK_FILE
         self.held = False
+        self._fd = -1
 
-    def _holder(self) -> dict | None:
+    def _holder(self, fd: int) -> dict | None:
+        """What the holder wrote (None while it is being written, or from an rbpipe that wrote no JSON)."""
         try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
+            data = os.pread(fd, 4096, 0)
+            holder = json.loads(data) if data else None
+        except (OSError, ValueError):
             return None
-        except ValueError:
-            return {"pid": -1, "host": "?", "corrupt": True}
+        return holder if isinstance(holder, dict) else None
 
     def acquire(self) -> WriterLock:
+        if self.held:
+            raise StoreLockedError(f"this WriterLock already holds {str(self.path)!r}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        for _ in range(3):
-            # written whole under a temporary name, then linked into place: only one contender's link
-            # succeeds, and a reader never sees a half-written holder
-            if not atomic_write(self.path, json.dumps(me), fsync=False, replace=False):
-                holder = self._holder()
-                if holder is None:
-                    continue
-                if holder.get("pid") == os.getpid() and holder.get("host") == me["host"]:
-                    raise StoreLockedError(f"this process (pid {os.getpid()}) already holds the writer lock "
-                                           f"of {str(self.path.parent)!r}")
-                same_host = holder.get("host") == me["host"]
-                if holder.get("corrupt") and time.time() - self.path.stat().st_mtime < 5:
-                    time.sleep(0.05)  # being written right now
-                    continue
-                if holder.get("corrupt") or (same_host and not pid_alive(int(holder.get("pid", -1)))):
-                    self._take_over(holder)
-                    continue
-                raise StoreLockedError(
-                    f"store {str(self.path.parent)!r} is locked by pid {holder.get('pid')} on host "
-                    f"{holder.get('host')!r}; stop that process first, or, if it is gone (another host), "
-                    f"delete {str(self.path)!r}")
-            self.held = True
+        for _ in range(20):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                raise StoreLockedError(self._refusal(holder)) from None
+            if not self._still_at_path(fd):  # its holder released it (and removed the file) meanwhile
+                os.close(fd)
+                continue
+            me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            self._fd, self.held = fd, True
             return self
         raise StoreLockedError(f"could not take the writer lock {str(self.path)!r}: it keeps changing hands")
 
-    def _take_over(self, holder: dict) -> None:
-        stale = self.path.with_name(f"{LOCK_FILE}.stale.{os.getpid()}")
+    def _still_at_path(self, fd: int) -> bool:
+        """Whether ``fd`` is the file now at the lock's path: a holder deletes the file when it lets go, and a
+        lock taken on the deleted file would lock nothing that the next process opens."""
         try:
-            os.rename(self.path, stale)  # only one contender wins the rename
+            st = os.stat(self.path)
         except FileNotFoundError:
-            return
-        try:
-            moved = json.loads(stale.read_text())
-        except ValueError:
-            moved = {"corrupt": True}
-        if moved.get("pid") != holder.get("pid") and not moved.get("corrupt"):
-            try:  # we raced and moved a fresh lock: put it back
-                os.link(stale, self.path)
-            except FileExistsError:
-                pass
-        stale.unlink(missing_ok=True)
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _refusal(self, holder: dict | None) -> str:
+        store = str(self.path.parent)
+        if holder is None:
+            return (f"store {store!r} is locked by another process (it is writing its name into "
+                    f"{str(self.path)!r} right now); stop it first")
+        if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            return f"this process (pid {os.getpid()}) already holds the writer lock of {store!r}"
+        return (f"store {store!r} is locked by pid {holder.get('pid')} on host {holder.get('host')!r}; stop that "
+                "process first (the lock is released when it exits, killed or not)")
 
     def release(self) -> None:
         if self.held:
-            holder = self._holder()
-            if holder and holder.get("pid") == os.getpid():
-                self.path.unlink(missing_ok=True)
-            self.held = False
+            self.path.unlink(missing_ok=True)  # while still locked: see _still_at_path
+            os.close(self._fd)
+            self._fd, self.held = -1, False
 
     def __enter__(self) -> WriterLock:
         return self.acquire()

@@ -23,10 +23,12 @@ uninitialised memory inside ``len(storage)``, extra keys are lost, dtypes are ca
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Any
 
 import torch
+from tensordict import TensorDictBase
 from torchrl.data import ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage
 
@@ -57,6 +59,7 @@ class GroupReplayBuffer(ReplayBuffer):
 
     def __init__(self, *, storage, transform, grouping: str = "rbpipe", **kwargs) -> None:
         self.grouping = grouping
+        self._made_in = os.getpid()  # a forked child has the same object: only its pid tells it is a copy
         super().__init__(storage=storage, transform=transform, shared=(grouping == "torchrl"), **kwargs)
 
     @property
@@ -80,6 +83,7 @@ class GroupReplayBuffer(ReplayBuffer):
     def extend(self, data, *, update_priority=None) -> torch.Tensor:
         if self.grouping != "rbpipe":
             return super().extend(data, update_priority=update_priority)
+        self._refuse_private_allocation()
         outcomes = self._write_all(self.grouping_transform.process(data, self._fit_check()))
         failed = [claim for claim, index in outcomes if index is None and not claim.recovered]
         if failed:
@@ -124,6 +128,35 @@ class GroupReplayBuffer(ReplayBuffer):
         if end > claim.rows:
             with contextlib.suppress(Exception):  # best effort: the quarantine record names the rows
                 storage._storage[claim.rows:end].zero_()
+
+    def _is_copy(self) -> bool:
+        """This process holds a copy of the buffer (spawned: unpickled; forked: another pid)."""
+        return getattr(self, "_unpickled", False) or os.getpid() != getattr(self, "_made_in", os.getpid())
+
+    def _refuse_private_allocation(self) -> None:
+        """In a copy of the buffer (a writer process), a torchrl storage must be one the parent sees: a lazy one
+        not allocated yet would be allocated here alone, and one in this process's private memory (a forked
+        child's copy-on-write pages) would take the writes; either way the parent's stays empty, silently.
+        Refused before anything is handed over."""
+        storage = self._storage
+        pid = os.getpid()
+        if getattr(self, "_storage_checked_in", None) == pid or is_group_store(storage) or not self._is_copy():
+            return
+        name = type(storage).__name__
+        if not getattr(storage, "initialized", True):
+            raise ConfigError(f"this process (pid {pid}) holds a copy of the replay buffer whose torchrl storage "
+                              f"({name}) is not allocated yet: allocated here, it would be this process's alone and "
+                              "the parent's would stay empty. Allocate it in the parent before starting writers "
+                              "(rbpipe.buffer.allocate_storage(storage, example), or write one group), or use an "
+                              "rbpipe store (ArrowStorage, ZarrStorage)")
+        data = getattr(storage, "_storage", None)
+        if isinstance(data, TensorDictBase) and not (data.is_shared() or data.is_memmap()):
+            raise ConfigError(f"this process (pid {pid}) holds a forked copy of the replay buffer whose torchrl "
+                              f"storage ({name}) is in the parent's private memory: its writes would land in this "
+                              "process's copy and the parent's would stay empty. Use LazyMemmapStorage, or move the "
+                              "storage to shared memory in the parent (storage._storage.share_memory_()) before "
+                              "forking writers, or use an rbpipe store (ArrowStorage, ZarrStorage)")
+        self._storage_checked_in = pid
 
     def _fit_check(self):
         """For a torchrl tensor storage already allocated: a per-trajectory check against its layout."""
@@ -184,7 +217,7 @@ class GroupReplayBuffer(ReplayBuffer):
             index = torch.arange(claim.rows, claim.rows + n)
             if claim.rows + n > storage.max_size:
                 raise StoreError(f"the storage is full ({storage.max_size} rows): allocate a larger one")
-            if not storage.initialized and not getattr(self, "_unpickled", False):
+            if not storage.initialized and not self._is_copy():
                 allocate_storage(storage, group)
             if not storage.initialized:
                 raise ConfigError("allocate the torchrl storage in the parent before starting writers "

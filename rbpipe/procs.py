@@ -126,7 +126,7 @@ _SOCKET_DIR_OWNER = ".owner"
 _OWNED_SOCKET_DIRS: dict[str, int] = {}  # this process's socket directory -> the fd holding its owner lock
 
 
-def _new_socket_dir() -> str:
+def _new_socket_dir(prefix: str = SOCKET_DIR_PREFIX) -> str:
     """A temporary directory whose ``.owner`` file this process keeps ``flock``-ed for its life. A lock, not a
     PID, says whether its owner lives: the kernel releases it however the process ends, and a process in
     another PID namespace sharing /tmp holds it just the same."""
@@ -134,7 +134,7 @@ def _new_socket_dir() -> str:
     import tempfile
 
     for _ in range(16):
-        path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        path = tempfile.mkdtemp(prefix=prefix)
         try:
             fd = os.open(os.path.join(path, _SOCKET_DIR_OWNER), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                          0o600)
@@ -167,9 +167,31 @@ def use_owned_socket_dir(replace: bool = False) -> str:
     return path
 
 
-def sweep_orphaned_socket_dirs(root: str | os.PathLike[str] | None = None) -> int:
-    """Remove the socket directories (:func:`use_owned_socket_dir`) in ``root`` (the temporary directory) whose
-    owner lock is free: their process is gone (a SIGKILL skips every clean-up). Returns how many."""
+def owned_temp_dir(prefix: str) -> str:
+    """A temporary directory (``<prefix>*``) that :func:`sweep_orphaned_socket_dirs` with that ``prefix`` removes
+    once this process is gone; :func:`release_owned_dir` removes it sooner."""
+    return _new_socket_dir(prefix)
+
+
+def release_owned_dir(path: str | os.PathLike[str], remove: bool = True) -> None:
+    """Remove an :func:`owned_temp_dir` (``remove=False``: keep it for good, e.g. for inspection: no sweep takes a
+    directory without its ``.owner``) and drop its lock."""
+    import shutil
+
+    fd = _OWNED_SOCKET_DIRS.pop(str(path), None)
+    if remove:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(path, _SOCKET_DIR_OWNER))
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_orphaned_socket_dirs(root: str | os.PathLike[str] | None = None, prefix: str = SOCKET_DIR_PREFIX) -> int:
+    """Remove the socket directories (:func:`use_owned_socket_dir`; ``prefix``: other :func:`owned_temp_dir`
+    ones) in ``root`` (the temporary directory) whose owner lock is free: their process is gone (a SIGKILL skips
+    every clean-up). Returns how many."""
     import fcntl
     import shutil
     import tempfile
@@ -180,7 +202,7 @@ def sweep_orphaned_socket_dirs(root: str | os.PathLike[str] | None = None) -> in
     except OSError:
         return 0
     for e in entries:
-        if not e.name.startswith(SOCKET_DIR_PREFIX) or e.path in _OWNED_SOCKET_DIRS \
+        if not e.name.startswith(prefix) or e.path in _OWNED_SOCKET_DIRS \
                 or not e.is_dir(follow_symlinks=False):
             continue
         try:

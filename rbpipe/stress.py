@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,10 +23,13 @@ import multiprocess
 import torch
 
 from rbpipe.errors import ConfigError
-from rbpipe.procs import quiet_killed_worker_trackers
+from rbpipe.procs import owned_temp_dir, quiet_killed_worker_trackers, release_owned_dir, sweep_orphaned_socket_dirs
 from rbpipe.schema import GROUP_KEY, RAGGED_KEYS, REWARD_KEY, make_trajectory
 
 UID_KEY = "uid"
+#: Prefix of a run's temporary directory (the writers' shares, and its store when none is given). Its ``.owner``
+#: lock is held by the run: a run that was SIGKILLed leaves it, and the next run's sweep removes it.
+TMP_PREFIX = "rbpipe-stress-"
 PAYLOADS = ("small", "16x64", "tok1024")
 #: how long writers may take to come up (spawn a fresh interpreter, import torch) before the run is called hung;
 #: the stall timer (``stall_timeout``) only starts once every writer has handed over its first trajectory
@@ -118,15 +119,40 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
                grouping: str = "rbpipe", store=None, dynamic_sampling: bool = False,
                stall_timeout: float = 30.0, max_kills: int | None = None) -> dict[str, Any]:
     """Run one stress round and verify it from the store; returns the report dict (``ok`` is the verdict)."""
-    from rbpipe.buffer import make_replay_buffer, start_manager
-
     check_stress_args(writers=writers, trajectories=trajectories, group_size=group_size, kill_rate=kill_rate,
                       payload=payload)
     rng = random.Random(seed)
     group_size = group_size or rng.randint(2, min(8, trajectories))
-    tmp = Path(tempfile.mkdtemp(prefix="rbpipe-stress-"))
+    sweep_orphaned_socket_dirs(prefix=TMP_PREFIX)  # those of runs that were killed
+    tmp = Path(owned_temp_dir(TMP_PREFIX))
     own_store = store is None
     store = Path(store) if store is not None else tmp / "store"
+    try:
+        report = _run(tmp, store, own_store, writers=writers, trajectories=trajectories, group_size=group_size,
+                      payload=payload, interleave=interleave, kill_rate=kill_rate, seed=seed, rng=rng,
+                      grouping=grouping, dynamic_sampling=dynamic_sampling, stall_timeout=stall_timeout,
+                      max_kills=max_kills)
+    except BaseException:  # a writer failed, Ctrl-C: nothing to inspect, nothing left in /tmp
+        release_owned_dir(tmp)
+        raise
+    if own_store and not report["ok"]:  # a temporary store is kept only when it shows a problem to look at
+        for path in tmp.glob("share*.json"):
+            path.unlink(missing_ok=True)
+        release_owned_dir(tmp, remove=False)
+        report["store_kept_for_inspection"] = True
+    else:  # the writers' shares (and our own store): a store given by the caller is elsewhere
+        release_owned_dir(tmp)
+        if own_store:
+            report["store"] = None
+    return report
+
+
+def _run(tmp: Path, store: Path, own_store: bool, *, writers: int, trajectories: int, group_size: int,
+         payload: str, interleave: str, kill_rate: float, seed: int, rng: random.Random, grouping: str,
+         dynamic_sampling: bool, stall_timeout: float, max_kills: int | None) -> dict[str, Any]:
+    """The run itself, in ``tmp`` (removed or kept by :func:`run_stress`)."""
+    from rbpipe.buffer import make_replay_buffer, start_manager
+
     shares, produced = _plan(trajectories, group_size, writers, interleave, seed, dynamic_sampling)
     share_paths = []
     for w, share in enumerate(shares):
@@ -206,6 +232,7 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
         busy = time.time() - (first_handover or t0)
         if grouping == "rbpipe" and not hung:
             buffer.recover(force=True)  # finish groups claimed by killed writers
+            buffer.confirm_stored()  # and delete what writers killed after their commit left staged
         stats = dict(buffer.grouping_transform.get_stats()) if not hung else {}
     finally:
         for p in procs:
@@ -228,14 +255,6 @@ def run_stress(*, writers: int = 4, trajectories: int = 2000, group_size: int | 
     report["lost"] = handed - (report["written"] + report["dropped"] + report["unselected"] + report["queued"])
     report["reason"] = reason or _failure_reason(report, kills, attempted, produced)
     report["ok"] = report["reason"] is None
-    if own_store and not report["ok"]:  # a temporary store is kept only when it shows a problem to look at
-        for path in share_paths:
-            Path(path).unlink(missing_ok=True)
-        report["store_kept_for_inspection"] = True
-    else:  # the writers' shares (and our own store): a store given by the caller is elsewhere
-        shutil.rmtree(tmp, ignore_errors=True)
-        if own_store:
-            report["store"] = None
     return report
 
 

@@ -51,3 +51,60 @@ def test_killed_writers_leave_a_complete_catalogue_and_no_semaphore_warnings(tmp
     catalogue = pq.read_table(str(store / "catalog"))
     rows = [r for r in catalogue.to_pylist() if r.get("live", True)]
     assert sum(r["members"] for r in rows) == report["written"]
+
+
+def _stress_dirs(root) -> list:
+    return sorted(p.name for p in root.glob("rbpipe-stress-*"))
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_writer_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    import rbpipe.stress as stress
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # a share whose trajectory cannot be built: the writer exits with an error
+    monkeypatch.setattr(stress, "_plan", lambda *args: ([[(0, 0, "not a reward")]], 4))
+    with pytest.raises(RuntimeError, match="stress writer 0 failed"):
+        run_stress(writers=1, trajectories=4, group_size=4, seed=1)
+    assert _stress_dirs(tmp_path) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_sigkilled_stress_run_leaves_its_directory_to_the_next_run(tmp_path, monkeypatch):
+    import os
+    import signal
+    import tempfile
+    import time
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "rbpipe.cli", "stress", "--writers", "1", "--trajectories",
+                             "1000000", "--group-size", "4", "--seed", "3", "--json"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("rbpipe-stress-*/share0.json")):  # the run is under way (a cap it never reaches)
+            assert proc.poll() is None and time.monotonic() < deadline, "the stress run did not start"
+            time.sleep(0.05)
+        (left,) = _stress_dirs(tmp_path)
+        os.kill(proc.pid, signal.SIGKILL)  # the run only: its writers and manager follow it (they watch it)
+        proc.wait(30)
+        while True:  # until its whole process group is gone
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline + 60, "the killed run's children did not exit"
+            time.sleep(0.05)
+        assert _stress_dirs(tmp_path) == [left]  # a SIGKILL skips every clean-up
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        report = run_stress(writers=1, trajectories=8, group_size=4, seed=1)
+        assert report["ok"], format_stress_table(report)
+        assert _stress_dirs(tmp_path) == []  # the next run swept it (its owner's lock was free), and removed its own
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)

@@ -11,8 +11,8 @@ from rbpipe.grouping.manager import (
 )
 from rbpipe.grouping.registry import GroupRegistry
 from rbpipe.grouping.staging import Staging, StagingError
-from rbpipe.grouping.transform import Claim, SharedMCAdvantage
+from rbpipe.grouping.transform import Claim, ClaimLostWarning, SharedMCAdvantage
 
-__all__ = ["SharedMCAdvantage", "Claim", "GroupRegistry", "GroupingManager", "start_manager", "connect_manager",
-           "manager_address", "open_registry", "Staging", "StagingError", "StdlibBridge", "bridged_reduce",
-           "ManagerDiedError"]
+__all__ = ["SharedMCAdvantage", "Claim", "ClaimLostWarning", "GroupRegistry", "GroupingManager", "start_manager",
+           "connect_manager", "manager_address", "open_registry", "Staging", "StagingError", "StdlibBridge",
+           "bridged_reduce", "ManagerDiedError"]

@@ -28,8 +28,11 @@ when a writer reports that its write failed, or when its writers' leases died ``
 counted as a dropped group (reason ``quarantined``) and recorded (:meth:`GroupRegistry.quarantined`). A group
 whose advantages come out non-finite from finite rewards (a return that overflows, the std of one value) is
 dropped too (reason ``nonfinite_advantage``): torchrl would write NaNs. Every trajectory handed over stays
-exactly one of written, dropped with a counted reason, or queued: a decision that raises (a custom selector:
-reason ``selector_error``; anything else: ``decision_error``) drops its group instead of leaving it queued.
+exactly one of written, dropped with a counted reason, or queued: a decision that raises (a custom selector,
+whatever it raises, ``SystemExit`` included: reason ``selector_error``; anything else: ``decision_error``) drops
+its group instead of leaving it queued, and the manager's connection thread that ran it lives on. A writer
+confirms (or quarantines) a claim under the lease it was handed to: once another writer took it over, the first
+is refused, so a claim is confirmed once.
 """
 
 from __future__ import annotations
@@ -149,11 +152,16 @@ class _FieldSelector(MCAdvantageSelector):
                 view.set("trajectories", lazy_stack([self.fields[h] for h in hids], 0))
             return self.inner.select(view.select(*self.inner.in_keys, strict=True), group_size=group_size,
                                      keep_return_bounds=keep_return_bounds)
-        except Exception as err:  # user code: its group is dropped, never left queued
+        except BaseException as err:  # noqa: BLE001 - user code (SystemExit too): its group is dropped, and the
+            # manager's connection thread that runs it lives on (a BaseException would end it: the writer's
+            # connection lost, the group left queued for the next writer to lose its connection the same way)
             raise SelectorFailed(f"{type(err).__name__}: {err}") from err
 
     def _accepted(self, *args):
-        return self.inner._accepted(*args)
+        try:
+            return self.inner._accepted(*args)
+        except BaseException as err:  # noqa: BLE001 - user code too (torchrl asks it whether a group was rescued)
+            raise SelectorFailed(f"{type(err).__name__}: {err}") from err
 
 
 def _fields_td(reward: tuple) -> TensorDict:
@@ -303,11 +311,12 @@ class GroupRegistry:
                 shard.fields[hidx] = _fields_td(reward)
             mc = shard.mc
             before = {name: mc._stats[name] for name in DEFERRED}
-            failed: Exception | None
+            failed: BaseException | None
             result: dict[str, Any]
             try:
                 out = mc._inv_call_single(self._skeleton(gid, hidx, reward))  # torchrl's per-trajectory decision
-            except Exception as err:  # noqa: BLE001 - a decision that raised must not leave its group stuck
+            except BaseException as err:  # noqa: BLE001 - a decision that raised must not leave its group stuck,
+                # nor end the connection thread (a SystemExit from user code would)
                 out, failed = None, err
                 mc._queue_delete(gid)
                 mc.completed_groups += 1
@@ -328,14 +337,15 @@ class GroupRegistry:
                     result = self._drop_failed(group, members, failed)
                 elif out is None:
                     result = {"status": "dropped", "handles": [h for _, h, _ in members]}
-                elif not bool(torch.isfinite(out.get(_A)).all()):
-                    result = self._drop_nonfinite(mc, group, members, out)
                 else:
                     deltas = {name: mc._stats[name] - before[name] for name in DEFERRED}
-                    result = self._new_claim(group, members, out, deltas, owner, reserve_rows)
+                    if not bool(torch.isfinite(out.get(_A)).all()):
+                        result = self._drop_nonfinite(mc, group, members, deltas)
+                    else:
+                        result = self._new_claim(group, members, out, deltas, owner, reserve_rows)
         return result
 
-    def _drop_failed(self, group, members, err: Exception) -> dict:
+    def _drop_failed(self, group, members, err: BaseException) -> dict:
         """The group's decision raised (its custom selector, or members whose rewards do not combine): the group
         was dropped (counted), not left stuck in its queue."""
         handles = [h for _, h, _ in members]
@@ -350,9 +360,12 @@ class GroupRegistry:
                 "message": f"group {group!r} was dropped: its advantages could not be computed "
                            f"({type(err).__name__}: {err}). Give every member rewards of one layout"}
 
-    def _drop_nonfinite(self, mc: MCAdvantage, group, members, out: TensorDict) -> dict:
-        """torchrl decided to write a group whose advantages are not finite: count it dropped instead."""
-        mc._stats["written_groups"] -= 1
+    def _drop_nonfinite(self, mc: MCAdvantage, group, members, deltas: dict) -> dict:
+        """torchrl decided to write a group whose advantages are not finite: count it dropped instead, its
+        trajectories no longer selected (nor the group rescued); those the selection left out stay unselected."""
+        mc._stats["written_groups"] -= deltas["written_groups"]
+        mc._stats["selected_trajectories"] -= deltas["selected_trajectories"]
+        mc._stats["rescued_groups"] -= deltas["rescued_groups"]
         mc._stats["dropped_groups"] += 1
         self._reasons["nonfinite_advantage"] += 1
         rewards = [float(decode_tensor(*r[:3]).double().sum()) for _, _, r in members]
@@ -408,15 +421,25 @@ class GroupRegistry:
                     taken.append(self._public(claim))
         return taken
 
-    def confirm(self, claim_id: str) -> bool:
-        """The claim's group is in storage: release its deferred counters. Idempotent."""
+    def confirm(self, claim_id: str, owner=None) -> bool:
+        """The claim's group is in storage: release its deferred counters. Idempotent. With ``owner`` (the lease
+        token the claim was handed to), only while the claim is still that owner's: a writer whose lease expired
+        (frozen, stalled) and whose claim another writer took over is refused (False), so one of the two, never
+        both, confirms it."""
         with self._claims_lock:
-            return self._claims.pop(claim_id, None) is not None
+            return self._confirm_locked(claim_id, owner)
 
-    def confirm_many(self, claim_ids: list[str]) -> list[bool]:
+    def confirm_many(self, claim_ids: list[str], owner=None) -> list[bool]:
         """:meth:`confirm` each of the groups one hand-over wrote, in one round trip."""
         with self._claims_lock:
-            return [self._claims.pop(claim_id, None) is not None for claim_id in claim_ids]
+            return [self._confirm_locked(claim_id, owner) for claim_id in claim_ids]
+
+    def _confirm_locked(self, claim_id: str, owner) -> bool:
+        claim = self._claims.get(claim_id)
+        if claim is None or owner is not None and claim["owner"] != owner:
+            return False
+        del self._claims[claim_id]
+        return True
 
     def unconfirmed(self) -> list[tuple[str, list[str]]]:
         """``(claim id, member handles)`` of every claim not confirmed yet: lets the service confirm, at the end
@@ -440,11 +463,13 @@ class GroupRegistry:
         return self._orphans(owner, force=True)
 
     # -- quarantine --------------------------------------------------------------------------------------------
-    def quarantine(self, claim_id: str, reason: str) -> dict | None:
+    def quarantine(self, claim_id: str, reason: str, owner=None) -> dict | None:
         """A writer could not write this claim: drop it with reason ``quarantined`` (never handed on again);
-        returns its record (None if it was confirmed or quarantined already)."""
+        returns its record (None if it was confirmed or quarantined already, or, with ``owner``, if another
+        writer took it over: a late writer's failure says nothing about the group)."""
         with self._claims_lock:
-            if claim_id not in self._claims:
+            claim = self._claims.get(claim_id)
+            if claim is None or owner is not None and claim["owner"] != owner:
                 return None
             return self._quarantine_locked(claim_id, reason)
 

@@ -33,7 +33,7 @@ from tensordict import TensorDictBase
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
 from rbpipe.errors import BadTrajectoryError, ConfigError
-from rbpipe.grouping.leases import ttl_from_env
+from rbpipe.grouping.leases import TTL_ENV, ttl_from_env
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
 from rbpipe.grouping.staging import (
@@ -47,6 +47,24 @@ from rbpipe.grouping.staging import (
 )
 from rbpipe.members import concat_leaves
 from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
+
+
+def refuse_stdlib_spawn() -> None:
+    """Refuse, in the parent and in one line, to send the transform to a child started by stdlib (or torch)
+    ``spawn``/``forkserver``: the manager's authkey travels only with ``multiprocess``'s own spawner, and the
+    child would fail with ``AuthenticationError`` when it first reached the manager."""
+    import multiprocessing.context as std_context
+
+    import multiprocess.context as mp_context
+
+    popen = std_context.get_spawning_popen()
+    if popen is not None and mp_context.get_spawning_popen() is None:
+        method = getattr(popen, "method", "spawn")
+        raise ConfigError(f"a SharedMCAdvantage (or a buffer holding one) cannot be sent to a child started by "
+                          f"stdlib/torch multiprocessing with the {method!r} start method: it could not "
+                          "authenticate to the grouping manager. Start writers with the `multiprocess` package "
+                          "(rbpipe.procs.worker_context(), or multiprocess.get_context('spawn'|'forkserver'|'fork')), "
+                          "or with a stdlib/torch 'fork' context, or join from the child with connect_manager")
 
 
 def selector_fields(selector: MCAdvantageSelector) -> tuple[tuple[str, ...], ...]:
@@ -90,26 +108,16 @@ class _WriterLease:
                 token = call(self.registry, "lease")
                 period = float(call(self.registry, "lease_ttl")) / 3
                 self._stop = stop = threading.Event()
+                discarded = threading.Event()
                 self.token, self.pid = token, pid
-                threading.Thread(target=self._beat, args=(token, pid, period, stop), daemon=True,
-                                 name="rbpipe-lease-heartbeat").start()
+                # the thread holds the lease weakly: a transform dropped without close() takes its heartbeat
+                # (and its lease, released by the thread on its own connection) with it
+                finalizer = weakref.finalize(self, _discard, discarded, stop)
+                finalizer.atexit = False
+                threading.Thread(target=_beat, args=(weakref.ref(self), self.registry, token, pid, period, stop,
+                                                     discarded),
+                                 daemon=True, name="rbpipe-lease-heartbeat").start()
             return self.token
-
-    def _beat(self, token: str, pid: int, period: float, stop: threading.Event) -> None:
-        """Renew ``token`` every ``period`` s until released; leave quietly when the manager is gone, the
-        process exits, or the lease expired (the next call takes a new one: what it owned may be another's)."""
-        while not stop.wait(period):
-            if os.getpid() != pid or sys.is_finalizing() or self.token != token:
-                return
-            try:
-                alive = call(self.registry, "renew", token)
-            except BaseException:  # noqa: BLE001 - a dead manager, or an interpreter shutting down
-                return
-            if not alive:
-                with self._lock:
-                    if self.token == token:
-                        self.token = None
-                return
 
     def release(self) -> None:
         """Hand what this process owns on at once (its next call takes a new lease)."""
@@ -121,6 +129,44 @@ class _WriterLease:
                 call(self.registry, "release", token)
             except BaseException:  # noqa: BLE001 - the manager is gone: the lease went with it
                 pass
+
+
+def _discard(discarded: threading.Event, stop: threading.Event) -> None:
+    """The lease was garbage-collected (its transform dropped without ``close()``): its heartbeat ends and
+    releases it. Only events here: a call to the manager from a finalizer could land in the middle of another
+    call on the same connection."""
+    discarded.set()
+    stop.set()
+
+
+def _beat(ref: weakref.ReferenceType, registry, token: str, pid: int, period: float, stop: threading.Event,
+          discarded: threading.Event) -> None:
+    """Renew ``token`` every ``period`` s until released; leave quietly when the manager is gone, the process
+    exits, or the lease expired (the next call takes a new one: what it owned may be another's). Holds the lease
+    (``ref``) only while it looks at it: once the lease is gone, release ``token`` and end."""
+    while not stop.wait(period):
+        lease = ref()
+        if lease is None:
+            break
+        if os.getpid() != pid or sys.is_finalizing() or lease.token != token:
+            return
+        del lease
+        try:
+            alive = call(registry, "renew", token)
+        except BaseException:  # noqa: BLE001 - a dead manager, or an interpreter shutting down
+            return
+        if not alive:
+            lease = ref()
+            if lease is not None:
+                with lease._lock:
+                    if lease.token == token:
+                        lease.token = None
+            return
+    if (discarded.is_set() or ref() is None) and os.getpid() == pid and not sys.is_finalizing():
+        try:
+            call(registry, "release", token)  # what the dropped transform held goes on at once
+        except BaseException:  # noqa: BLE001 - the manager is gone: the lease went with it
+            pass
 
 
 ProcessLease = _WriterLease  # public name: a learner (or any worker that owns no claims) holds one too
@@ -173,6 +219,18 @@ def _register_after_multiprocess_fork() -> None:
 _register_after_multiprocess_fork()
 
 
+class ClaimLostWarning(RuntimeWarning):
+    """A claim this process held was taken over by another writer: its lease expired (it did not renew it for
+    the lease's time to live: frozen, stalled, suspended) before the group was confirmed."""
+
+
+def _warn_lost(group, what: str) -> None:
+    warnings.warn(f"group {group!r} is no longer this process's to write ({what}): its lease expired (no heartbeat "
+                  f"for the lease's time to live, e.g. the process was frozen or stalled) and another writer took "
+                  f"the group over, which writes and confirms it. Nothing to do here; if this repeats, raise "
+                  f"{TTL_ENV} or find what stalls this process", ClaimLostWarning, stacklevel=4)
+
+
 @dataclass
 class Claim:
     """A completed group this process must write, then confirm."""
@@ -194,6 +252,8 @@ class Claim:
     recovered: bool = False
     #: why writing it failed (set by the writer that quarantined it)
     error: BaseException | None = field(default=None, repr=False)
+    #: the lease token it was handed to: only that owner may confirm or quarantine it (None: anyone may)
+    owner: str | None = field(default=None, repr=False)
 
     @property
     def members(self) -> list[TensorDictBase]:
@@ -224,10 +284,15 @@ class SharedMCAdvantage(MCAdvantage):
       trajectory (torchrl cannot stack them and raises);
     - ``candidate_selector`` runs in the manager process: a custom selector reads ``"return"`` and the
       ``("trajectories", key)`` fields it lists in ``in_keys`` (shipped with each trajectory's reward; tensors
-      of one row per step), nothing else; other keys are refused at construction. A selector that raises drops
-      its group (reason ``selector_error``; any other failed decision: ``decision_error``) instead of leaving it
-      queued for good;
-    - groups whose advantages are not finite are dropped (reason ``nonfinite_advantage``).
+      of one row per step), nothing else; other keys are refused at construction. A selector that raises
+      (anything, ``SystemExit`` included) drops its group (reason ``selector_error``; any other failed decision:
+      ``decision_error``) instead of leaving it queued for good, and the writer's connection stays up;
+    - groups whose advantages are not finite are dropped (reason ``nonfinite_advantage``; not counted as
+      selected);
+    - a writer whose lease expired while it held a claim (frozen, stalled) and that another writer took over
+      is refused when it confirms it (:class:`ClaimLostWarning`): ``inv()`` returns each group to one caller;
+    - it can be sent to writer processes started by ``multiprocess`` (any start method) or forked; stdlib/torch
+      ``spawn`` and ``forkserver`` are refused in the parent (the child could not authenticate to the manager).
 
     Keyword Args (on top of ``MCAdvantage``'s):
         manager: a :func:`~rbpipe.grouping.start_manager` manager (or connected one); ``None`` starts one.
@@ -292,6 +357,7 @@ class SharedMCAdvantage(MCAdvantage):
 
     # -- pickling: the proxy and the staging path travel; the manager object stays with its owner ----------------
     def __getstate__(self) -> dict:
+        refuse_stdlib_spawn()
         state = super().__getstate__()
         state["_manager"] = None
         state["_owns_manager"] = False
@@ -466,10 +532,11 @@ class SharedMCAdvantage(MCAdvantage):
             raise
         items = [(group, handle, reward) for (group, _, reward), handle in zip(encoded, handles, strict=True)]
         # one round trip for the whole call (a collector's work unit), decided item by item in order
-        decisions = call(self._registry, "append_many", items, self._owner(), self.reserve_rows) if items else []
+        owner = self._owner()
+        decisions = call(self._registry, "append_many", items, owner, self.reserve_rows) if items else []
         for decision in decisions:
             if decision["recovered"]:
-                yield from self._taken_over(decision["recovered"])
+                yield from self._taken_over(decision["recovered"], owner)
             status = decision["status"]
             if status == "dropped":
                 self.staging.delete(decision["handles"])
@@ -477,17 +544,20 @@ class SharedMCAdvantage(MCAdvantage):
                     warnings.warn(decision["message"], RuntimeWarning, stacklevel=2)
             elif status == "write":
                 try:
-                    claim = self.load(decision)
+                    claim = self.load(decision, owner)
                 except Exception as err:
-                    self.quarantine(self._bare_claim(decision), err, warn=False)
+                    if self.quarantine(self._bare_claim(decision, owner), err, warn=False) is None:
+                        _warn_lost(decision["group"], "its payloads could not be read")  # another writer's now
+                        continue
                     raise
                 yield claim
 
     def recover(self, *, force: bool = False) -> list[Claim]:
         """Claims of dead writers (``force``: of any other writer), loaded and ready to write + confirm."""
-        return list(self._taken_over(call(self._registry, "recover", self._owner(), force)))
+        owner = self._owner()
+        return list(self._taken_over(call(self._registry, "recover", owner, force), owner))
 
-    def _taken_over(self, decisions: list[dict]) -> Iterator[Claim]:
+    def _taken_over(self, decisions: list[dict], owner: str | None = None) -> Iterator[Claim]:
         """Claims taken over from writers that died: those the registry quarantined, and those whose payloads
         cannot be read, are set aside (with a warning); the others are loaded."""
         for decision in decisions:
@@ -496,9 +566,10 @@ class SharedMCAdvantage(MCAdvantage):
                 self._set_aside(self._bare_claim(decision), record)
                 continue
             try:
-                claim = self.load(decision)
+                claim = self.load(decision, owner)
             except Exception as err:  # noqa: BLE001 - a poison claim must not kill the writer that took it over
-                self.quarantine(self._bare_claim(decision), err)
+                if self.quarantine(self._bare_claim(decision, owner), err) is None:
+                    _warn_lost(decision["group"], "its payloads could not be read")
                 continue
             claim.recovered = True
             yield claim
@@ -530,16 +601,17 @@ class SharedMCAdvantage(MCAdvantage):
         return tuple(out)
 
     @staticmethod
-    def _bare_claim(decision: dict) -> Claim:
+    def _bare_claim(decision: dict, owner: str | None = None) -> Claim:
         return Claim(decision["claim_id"], decision["group"], list(decision["selected"]),
-                     list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"))
+                     list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"), owner=owner)
 
     def quarantine(self, claim: Claim, error: BaseException | str, *, warn: bool = True) -> dict | None:
         """``claim`` cannot be written: drop it with reason ``quarantined`` (counted, recorded, never handed to
         another writer) and move its payloads to ``quarantine/<claim id>/``; returns its record. ``warn``:
         say so (a caller that raises about it instead passes False)."""
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        record = call(self._registry, "quarantine", claim.claim_id, reason)
+        args = (claim.claim_id, reason) if claim.owner is None else (claim.claim_id, reason, claim.owner)
+        record = call(self._registry, "quarantine", *args)
         if record is not None:
             self._set_aside(claim, record, warn)
         return record
@@ -551,8 +623,8 @@ class SharedMCAdvantage(MCAdvantage):
                           f"reason 'quarantined'): {record['reason']}. Its payloads and reason are in {where}",
                           RuntimeWarning, stacklevel=3)
 
-    def load(self, decision: dict) -> Claim:
-        claim = self._bare_claim(decision)
+    def load(self, decision: dict, owner: str | None = None) -> Claim:
+        claim = self._bare_claim(decision, owner)
         payloads = [decode_leaves(self.staging.read(handle)) for handle in claim.selected]
         self._assemble(claim, payloads)
         if claim.assembled is None:
@@ -624,34 +696,55 @@ class SharedMCAdvantage(MCAdvantage):
             return claim.jagged
         return self._cat_tensordicts(claim.members, -1)
 
-    def confirm(self, claim: Claim) -> None:
-        """The group is in storage: count it as written and delete its staged payloads."""
-        self.confirm_many([claim])
+    def confirm(self, claim: Claim) -> bool:
+        """The group is in storage: count it as written and delete its staged payloads. False (with a
+        :class:`ClaimLostWarning`) when the claim is no longer this process's: see :meth:`confirm_many`."""
+        return bool(self.confirm_many([claim]))
 
-    def confirm_many(self, claims: list[Claim]) -> None:
-        """:meth:`confirm` the groups one hand-over wrote, in one round trip to the manager."""
-        if not claims:
-            return
-        call(self._registry, "confirm_many", [claim.claim_id for claim in claims])
-        self.staging.delete([handle for claim in claims for handle in claim.handles])
+    def confirm_many(self, claims: list[Claim]) -> list[Claim]:
+        """:meth:`confirm` the groups one hand-over wrote, in one round trip to the manager; returns those
+        confirmed. A claim whose lease this process lost (it did not renew it for the lease's time to live:
+        frozen, stalled) and that another writer took over is refused, with a :class:`ClaimLostWarning`: that
+        writer writes and confirms it, and its staged payloads are left to it. (An rbpipe store absorbs the
+        late write: the commit id is the claim id.)"""
+        by_owner: dict[str | None, list[Claim]] = {}
+        for claim in claims:
+            by_owner.setdefault(claim.owner, []).append(claim)
+        confirmed: list[Claim] = []
+        for owner, own in by_owner.items():  # one round trip, but for a lease renewed in between
+            ids = [claim.claim_id for claim in own]
+            answers = call(self._registry, "confirm_many", ids) if owner is None else \
+                call(self._registry, "confirm_many", ids, owner)
+            for claim, ok in zip(own, answers, strict=True):
+                if ok or owner is None:  # without an owner: as before, idempotent
+                    confirmed.append(claim)
+                else:
+                    _warn_lost(claim.group, "it was not confirmed here")
+        self.staging.delete([handle for claim in confirmed for handle in claim.handles])
+        return confirmed
 
     def confirm_stored(self, committed: AbstractSet[str]) -> int:
         """Confirm every claim whose members are all in ``committed`` (the store's committed member ids): a
         writer killed after storing groups and before confirming them left them claimed, their members counted
-        as queued although they are stored. Returns how many were confirmed."""
+        as queued although they are stored. Deletes every staged payload in ``committed``. Call it once the
+        writers are gone (a service at its end). Returns how many were confirmed."""
         stored = [(cid, handles) for cid, handles in call(self._registry, "unconfirmed")
                   if handles and all(handle in committed for handle in handles)]
         if stored:
             call(self._registry, "confirm_many", [cid for cid, _ in stored])
             self.staging.delete([handle for _, handles in stored for handle in handles])
+        # and the payloads of groups stored *and* confirmed by a writer killed before it deleted them: no claim
+        # names them any more, and nothing else would remove them (a resume would, with requeue_staged)
+        self.staging.delete([handle for handle in self.staging.handles() if handle in committed])
         return len(stored)
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
-        """Stand-alone use (no rbpipe buffer): return completed groups, counted as written once returned."""
-        groups = []
-        for claim in self.process(tensordict):
-            groups.append(self.group_of(claim))
-            self.confirm(claim)
+        """Stand-alone use (no rbpipe buffer): return completed groups, counted as written once returned. A group
+        is returned only once its confirmation succeeded: a claim this process lost to another writer (its lease
+        expired) is that writer's to return, never both's."""
+        claims = list(self.process(tensordict))
+        built = {claim.claim_id: self.group_of(claim) for claim in claims}  # before confirm deletes the payloads
+        groups = [built[claim.claim_id] for claim in self.confirm_many(claims)]
         if not groups:
             return None
         return groups[0] if len(groups) == 1 else self._cat_tensordicts(groups, 0)
@@ -684,17 +777,18 @@ class SharedMCAdvantage(MCAdvantage):
                 os.replace(path, path.with_name(path.name + ".torn"))
                 torn += 1
                 continue
-            decision = call(self._registry, "append", group, handle, reward, self._owner(), self.reserve_rows)
+            owner = self._owner()
+            decision = call(self._registry, "append", group, handle, reward, owner, self.reserve_rows)
             requeued += 1
             by_group[group] = by_group.get(group, 0) + 1
-            claims.extend(self._taken_over(decision["recovered"]))
+            claims.extend(self._taken_over(decision["recovered"], owner))
             if decision["status"] == "dropped":
                 self.staging.delete(decision["handles"])
             elif decision["status"] == "write":
-                claims.append(self.load(decision))
+                claims.append(self.load(decision, owner))
         return claims, requeued, torn, by_group
 
 
 _LEASE_LOCK = threading.Lock()
 
-__all__ = ["QUEUE_STATS", "STAT_NAMES", "Claim", "SharedMCAdvantage"]
+__all__ = ["QUEUE_STATS", "STAT_NAMES", "Claim", "ClaimLostWarning", "SharedMCAdvantage"]

@@ -367,10 +367,10 @@ class ShardedRegistry(_Proxy):
             return self._one(index, "confirm", claim_id)
         return any(self._all("confirm", claim_id))
 
-    def _do_confirm_many(self, claim_ids: list[str]) -> list[bool]:
+    def _do_confirm_many(self, claim_ids: list[str], owner=None) -> list[bool]:  # owner: not checked here
         return [self._do_confirm(claim_id) for claim_id in claim_ids]
 
-    def _do_quarantine(self, claim_id: str, reason: str):
+    def _do_quarantine(self, claim_id: str, reason: str, owner=None):  # owner: not checked here
         index = self._claim_shard.pop(claim_id, None)
         if index is not None:
             return self._one(index, "quarantine", claim_id, reason)

@@ -76,7 +76,7 @@ def assert_matches_stock(ours: SharedMCAdvantage, opts: dict, stream) -> None:
     assert len(ours.staging.handles()) == ours.get_stats()["queued_trajectories"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["sum", None])
 def test_two_spawn_writers_match_torchrl(grouping_manager, tmp_path, mode):
     """W=2 spawn writers, a torchrl LazyMemmapStorage allocated in the parent; groups are decided when full
@@ -100,7 +100,7 @@ def test_two_spawn_writers_match_torchrl(grouping_manager, tmp_path, mode):
         for p in procs:
             p.start()
         for p in procs:
-            p.join(90)
+            p.join()  # bounded by the test's timeout only: spawned interpreters start slowly on a loaded machine
             assert p.exitcode == 0
     finally:
         for p in procs:

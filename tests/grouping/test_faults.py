@@ -19,7 +19,7 @@ def _transform(manager, **opts):
     return SharedMCAdvantage(prompt_key="group_id", manager=manager, required_keys=MINIMAL_KEYS, **opts)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # four spawned writers: start-up alone may take minutes on a loaded machine
 def test_four_writer_stress_run_verifies_from_the_store(tmp_path):
     r = run_stress(writers=4, trajectories=320, group_size=4, seed=3, store=tmp_path / "store",
                    dynamic_sampling=True)
@@ -28,7 +28,7 @@ def test_four_writer_stress_run_verifies_from_the_store(tmp_path):
     assert r["dropped"] > 0  # degenerate all-0/all-1 groups were dropped, not stored
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_sigkilled_writers_never_block_the_others_and_conservation_holds(tmp_path):
     r = run_stress(writers=3, trajectories=300, group_size=5, seed=11, kill_rate=0.05, max_kills=2,
                    store=tmp_path / "store")

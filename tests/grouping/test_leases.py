@@ -272,3 +272,24 @@ def test_sweep_keeps_the_directory_of_a_live_owner_in_another_pid_namespace(tmp_
         assert _frees(root / info["dir"]) == 0
     finally:
         _stop(proc)
+
+
+def _heartbeats() -> set:
+    import threading
+
+    return {th for th in threading.enumerate() if th.name == "rbpipe-lease-heartbeat"}
+
+
+@pytest.mark.timeout(60)
+def test_a_transform_dropped_without_close_takes_its_heartbeat_and_lease_with_it(tmp_path, grouping_manager):
+    import gc
+
+    before = _heartbeats()
+    t = _transform(grouping_manager, tmp_path, "leases-dropped")
+    registry, token = t._registry, t.lease_token()
+    (beat,) = _heartbeats() - before
+    del t
+    gc.collect()
+    beat.join(30)  # it wakes at once (no waiting for its period) and ends
+    assert not beat.is_alive(), "the heartbeat of a discarded transform runs for the life of the process"
+    assert call(registry, "renew", token) is False  # and its lease was released: its claims go on at once

@@ -17,6 +17,7 @@ def _assert_dropped_as_nonfinite(t: SharedMCAdvantage, outs: list) -> None:
     assert all(out is None for out in outs), "a group with non-finite advantages was written"
     stats = t.get_stats()
     assert stats["dropped_groups"] == 1 and stats["written_groups"] == 0
+    assert stats["selected_trajectories"] == 0 and stats["rescued_groups"] == 0  # nothing of it was selected
     assert stats["queued_trajectories"] == 0
     assert t.drop_reasons()["nonfinite_advantage"] == 1
     assert t.staging.handles() == []
@@ -45,3 +46,13 @@ def test_a_single_member_per_step_group_drops_instead_of_nan(grouping_manager):
         outs = [t.inv(traj(0, 7, [1.0]))]  # std of one value is NaN
     _assert_dropped_as_nonfinite(t, outs)
     assert t.inv(traj(1, 8, [1.0, 0.0])) is not None  # two steps: a finite std, written as torchrl would
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_candidate_group_keeps_only_its_unselected_count(grouping_manager):
+    t = _transform(grouping_manager, 2, trajectory_return="sum", candidate_group_size=3,
+                   candidate_selection_min_size=3)
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        outs = [t.inv(traj(0, 9, [3e38, 3e38])), t.inv(traj(1, 9, [0.0])), t.inv(traj(2, 9, [1.0]))]
+    _assert_dropped_as_nonfinite(t, outs)
+    assert t.get_stats()["unselected_trajectories"] == 1  # the candidate the selection left out

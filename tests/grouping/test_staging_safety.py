@@ -102,15 +102,15 @@ def _churn(path: str, handles_out) -> None:
     handles_out.put(handles[8:])
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_no_released_files_are_left_behind_by_exited_processes(tmp_path):
     ctx = multiprocess.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_churn, args=(str(tmp_path), queue))
     try:
         proc.start()
-        pending = queue.get(timeout=60)
-        proc.join(60)
+        pending = queue.get()  # bounded by the test's timeout only (a spawned child's start-up under load)
+        proc.join()
         assert proc.exitcode == 0
         assert not list(tmp_path.glob(f"*/{Staging.FREE}*"))  # the child released its own at exit
         s = Staging(tmp_path)

@@ -223,15 +223,17 @@ def quiet_killed_worker_trackers() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
+def _signals_ignored(*signums: int) -> Iterator[None]:
+    """Ignore ``signums`` (default SIGINT) while starting a process, which inherits the disposition."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal dispositions can only be changed there; a library caller in a thread keeps its own
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signums or (signal.SIGINT,))}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 #: What the fork server imports once, so that every worker (and the grouping manager) starts as a fork of an
@@ -253,11 +255,12 @@ class _WorkerProcess(multiprocess.context.ForkServerProcess):
 
     def start(self) -> None:
         self._start_environ = dict(os.environ)  # travels with the pickled process object
-        with _sigint_ignored():
+        with _signals_ignored():
             super().start()
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # also where the server was started without the guard
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (warm_worker_server); a worker stops
         os.environ.clear()  # the server's environment is its own starter's, captured once
         os.environ.update(self._start_environ)
         super().run()
@@ -276,7 +279,9 @@ def warm_worker_server() -> None:
     forkserver.set_forkserver_preload(list(WORKER_PRELOAD))
     sweep_orphaned_socket_dirs()  # those of SIGKILLed launchers and managers
     use_owned_socket_dir()  # the fork server's socket goes there
-    with _sigint_ignored(), quiet_killed_worker_trackers():
+    # SIGTERM too: `timeout`, `kill -- -PGID` or a service manager send it to the whole process group, and a
+    # server that died of it took every worker with it (PR_SET_PDEATHSIG), before the launcher could stop them
+    with _signals_ignored(signal.SIGINT, signal.SIGTERM), quiet_killed_worker_trackers():
         forkserver.ensure_running()
 
 

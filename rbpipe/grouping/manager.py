@@ -216,6 +216,7 @@ def _init_manager_process(owner: int | None = None) -> None:
     from multiprocess import util as mp_util
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the workers; the launcher shuts us down
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as does a SIGTERM of the process group (its owner stops us)
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
     # A process inherits its starter's temporary directory setting, and the starter's directory also holds the
     # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes, or, after a

@@ -285,8 +285,22 @@ def warm_worker_server() -> None:
         forkserver.ensure_running()
 
 
+#: Why a process rbpipe starts can fail before it runs: the script that started it has no ``__main__`` guard
+MAIN_GUARD_HINT = ("a script that starts rbpipe processes (a run, a grouping manager, a shared buffer) must do so "
+                   "under `if __name__ == \"__main__\":`: each process it starts imports the script again")
+
+
+def refuse_start_while_bootstrapping() -> None:
+    """In a child that is importing its starter's main script (one without a ``__main__`` guard, which starts
+    rbpipe processes again at import time): end with one line, instead of ``multiprocess``'s page-long
+    ``RuntimeError`` here and a bare ``EOFError`` in the starter."""
+    if getattr(multiprocess.current_process(), "_inheriting", False):
+        raise SystemExit(f"rbpipe: error: {MAIN_GUARD_HINT}")
+
+
 def worker_context() -> multiprocess.context.BaseContext:
     """The context every rbpipe process is started from: the fork server (:class:`_WorkerProcess`)."""
+    refuse_start_while_bootstrapping()
     warm_worker_server()
     return _WorkerContext()
 

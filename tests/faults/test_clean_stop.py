@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.faults.shared_places import leftovers
+from tests.faults.shared_places import assert_nothing_left, leftovers, semaphores_of, session_pids
 from tests.faults.test_lifecycle import assert_all_gone, cleanup, steps_logged
 from tests.faults.test_supervision import wait_for
 
@@ -57,6 +57,7 @@ def stop_at_random_point(tmp_path: Path, how: str, delay_s: float, seed: int,
     try:
         wait_for(lambda: len(steps_logged(run_dir)) >= 1 or proc.poll() is not None, 240, "a first learner step")
         assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert semaphores_of(session_pids(proc.pid)) == set()  # nothing a SIGKILLed run could not unlink
         time.sleep(rng.uniform(0, within_s))  # a random point of the run, not the machine's speed: any is right
         stopped_at = time.monotonic()
         _stop(proc, how, rng)
@@ -82,7 +83,7 @@ def stop_at_random_point(tmp_path: Path, how: str, delay_s: float, seed: int,
     # the learner finished or abandoned its step, then checkpointed the last one it finished
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"] == len(logged) == summary["learner_steps"]
     # a killed worker's own resource tracker unlinks its semaphores once it is gone: wait for that, bounded
-    wait_for(lambda: not leftovers() - before, 30, "nothing of the run left in /dev/shm or /tmp")
+    assert_nothing_left(before)
     return out, summary, run_dir
 
 

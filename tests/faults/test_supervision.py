@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rbpipe.fault_hooks import HOLD_ENV
-from tests.faults.shared_places import leftovers
+from tests.faults.shared_places import assert_nothing_left, leftovers, semaphores_of, session_pids
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--grpo-size", "4", "--groups-per-step", "2"]
 
@@ -176,6 +176,8 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     proc = start_run(run_dir, "--steps", "24", hold=(12, tmp_path / "never"))  # killed while it holds there
     try:
         wait_for(lambda: learner_steps(run_dir) >= 12, 150, "12 learner steps (a checkpoint exists)")
+        # no process of the run holds a named semaphore (sem.mp-*), which nobody could unlink after the kill
+        assert semaphores_of(session_pids(proc.pid)) == set()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
     finally:
@@ -195,6 +197,5 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     before = {g["group_id"] for g in committed}
     resumed_groups = [g for g in after if g["group_id"] not in before]
     assert resumed_groups and all(min(g["policy_versions"]) > 0 for g in resumed_groups)
-    # e.g. a named semaphore (sem.mp-*) nobody could unlink after the kill; a killed run's are removed by the next
-    # run (weights files), or by the killed processes' resource trackers, which end once their process is gone
-    wait_for(lambda: not leftovers() - shm_before, 30, "nothing of the runs left in /dev/shm or /tmp")
+    # a weights file or socket directory of the killed run: the next run removes them
+    assert_nothing_left(shm_before)

@@ -5,11 +5,13 @@ cannot have passed, whatever the machine's speed, and a stop test needs steps as
   learner waits until the file ``PATH`` exists (or a stop is requested). A test waits for step ``N`` in
   ``metrics.jsonl``, fires its fault, then creates ``PATH``. A learner that resumes below ``N`` (after a
   kill) holds at ``N`` again until ``PATH`` exists.
+* ``RBPIPE_TEST_HOLD_SHARD_RESTART=PATH`` — a Ray grouping shard that Ray restarted waits, before it replays
+  its log, until ``PATH`` exists: a test checks what answers while a shard is down, however fast Ray restarts it.
 * ``RBPIPE_TEST_STEP_DELAY_S=X`` — every forward pass of the learner's model takes ``X`` seconds longer (a sleep
   that a stop abandons as it would abandon a real forward pass): a learner step costs what a large model's does.
 
-Both are off unless set; they only slow or pause the learner, never change what it computes. With
-``--engine ray`` the launcher passes them to the worker actors.
+All are off unless set; they only slow or pause a process, never change what it computes. With
+``--engine ray`` they are passed to the worker and shard actors.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from rbpipe.errors import ConfigError
 
 HOLD_ENV = "RBPIPE_TEST_HOLD_AFTER_STEP"
 DELAY_ENV = "RBPIPE_TEST_STEP_DELAY_S"
-#: What ``--engine ray`` forwards to its worker actors (Ray workers do not inherit the driver's environment)
-FORWARDED = (HOLD_ENV, DELAY_ENV)
+SHARD_RESTART_ENV = "RBPIPE_TEST_HOLD_SHARD_RESTART"
+#: What ``--engine ray`` forwards to its actors (Ray workers do not inherit the driver's environment)
+FORWARDED = (HOLD_ENV, DELAY_ENV, SHARD_RESTART_ENV)
 
 
 def step_delay() -> float:
@@ -56,6 +59,13 @@ def hold(path: Path, stopping: Callable[[], bool], poll_s: float = 0.05) -> None
     """Wait until ``path`` exists or ``stopping()``."""
     while not path.exists() and not stopping():
         time.sleep(poll_s)
+
+
+def hold_shard_restart(restarted: bool) -> None:
+    """In a shard actor's constructor: a restarted shard waits for ``RBPIPE_TEST_HOLD_SHARD_RESTART``'s file."""
+    path = os.environ.get(SHARD_RESTART_ENV)
+    if restarted and path:
+        hold(Path(path), lambda: False)
 
 
 def forwarded_env() -> dict[str, str]:

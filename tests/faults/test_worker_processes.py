@@ -6,9 +6,11 @@ starter alone would tell them)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -116,21 +118,27 @@ def test_socket_directories_of_sigkilled_processes_are_swept_and_live_ones_kept(
 
     script = tmp_path / "starter.py"
     script.write_text(SOCKETS_STARTER)
+    # a private temporary directory: every rbpipe run on this machine sweeps /tmp, and one started by somebody
+    # else between the kill and the checks below would remove these directories first (short: socket paths)
+    root = Path(tempfile.mkdtemp(prefix="rbs-", dir="/tmp"))
     starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, env=dict(os.environ, TMPDIR=str(root)))
     try:
-        info = json.loads(starter.stdout.readline())
-        dirs = [Path(info["launcher"]), Path(info["manager"])]
-        assert all(d.name.startswith(SOCKET_DIR_PREFIX) and d.is_dir() for d in dirs), info
-        assert dirs[0] != dirs[1] and any(dirs[1].glob("listener-*")), info
-        sweep_orphaned_socket_dirs()
-        assert all(d.is_dir() for d in dirs), "a live process's socket directory was swept"
+        try:
+            info = json.loads(starter.stdout.readline())
+            dirs = [Path(info["launcher"]), Path(info["manager"])]
+            assert all(d.name.startswith(SOCKET_DIR_PREFIX) and d.parent == root and d.is_dir() for d in dirs), info
+            assert dirs[0] != dirs[1] and any(dirs[1].glob("listener-*")), info
+            sweep_orphaned_socket_dirs(root)
+            assert all(d.is_dir() for d in dirs), "a live process's socket directory was swept"
+        finally:
+            os.killpg(starter.pid, signal.SIGKILL)  # launcher, fork server and manager: nobody cleans up
+            starter.wait(10)
+        deadline = time.time() + 10
+        while pid_alive(info["manager_pid"]) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(d.is_dir() for d in dirs)  # left behind by the kill...
+        assert sweep_orphaned_socket_dirs(root) == 2
+        assert not any(d.exists() for d in dirs)  # ...and removed by the next sweep
     finally:
-        os.killpg(starter.pid, signal.SIGKILL)  # launcher, fork server and manager: nobody cleans up
-        starter.wait(10)
-    deadline = time.time() + 10
-    while pid_alive(info["manager_pid"]) and time.time() < deadline:
-        time.sleep(0.05)
-    assert all(d.is_dir() for d in dirs)  # left behind by the kill...
-    assert sweep_orphaned_socket_dirs() >= 2
-    assert not any(d.exists() for d in dirs)  # ...and removed by the next sweep
+        shutil.rmtree(root, ignore_errors=True)

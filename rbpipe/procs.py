@@ -295,7 +295,11 @@ def refuse_start_while_bootstrapping() -> None:
     rbpipe processes again at import time): end with one line, instead of ``multiprocess``'s page-long
     ``RuntimeError`` here and a bare ``EOFError`` in the starter."""
     if getattr(multiprocess.current_process(), "_inheriting", False):
-        raise SystemExit(f"rbpipe: error: {MAIN_GUARD_HINT}")
+        import sys
+
+        # printed here: a fork server's child ends with os._exit, which would drop a SystemExit's message
+        print(f"rbpipe: error: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def worker_context() -> multiprocess.context.BaseContext:

@@ -142,3 +142,21 @@ def test_socket_directories_of_sigkilled_processes_are_swept_and_live_ones_kept(
         assert not any(d.exists() for d in dirs)  # ...and removed by the next sweep
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_is_told_so_in_one_line(tmp_path):
+    """Each process rbpipe starts imports its starter's script again; without ``if __name__ == "__main__":`` the
+    script starts a manager again in there. Starter and child each end with one line that names the guard (the
+    starter used to get a bare ``EOFError``, the child multiprocess's page-long ``RuntimeError``)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from rbpipe.grouping import start_manager\nmanager = start_manager()\nmanager.shutdown()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("rbpipe.errors.ConfigError: the grouping manager process ended before it started"), last
+    assert 'if __name__ == "__main__":' in last
+    assert "EOFError" not in done.stderr and "bootstrapping phase" not in done.stderr, done.stderr[-3000:]
+    child = [line for line in done.stderr.splitlines() if line.startswith("rbpipe: error:")]
+    assert len(child) == 1 and 'if __name__ == "__main__":' in child[0], done.stderr[-3000:]

@@ -245,15 +245,17 @@ def quiet_killed_worker_trackers() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
+def _signals_ignored(*signums: int) -> Iterator[None]:
+    """Ignore ``signums`` (default SIGINT) while starting a process, which inherits the disposition."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal dispositions can only be changed there; a library caller in a thread keeps its own
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signums or (signal.SIGINT,))}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 #: What the fork server imports once, so that every worker (and the grouping manager) starts as a fork of an
@@ -275,11 +277,12 @@ class _WorkerProcess(multiprocess.context.ForkServerProcess):
 
     def start(self) -> None:
         self._start_environ = dict(os.environ)  # travels with the pickled process object
-        with _sigint_ignored():
+        with _signals_ignored():
             super().start()
 
     def run(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # also where the server was started without the guard
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (warm_worker_server); a worker stops
         os.environ.clear()  # the server's environment is its own starter's, captured once
         os.environ.update(self._start_environ)
         super().run()
@@ -298,12 +301,32 @@ def warm_worker_server() -> None:
     forkserver.set_forkserver_preload(list(WORKER_PRELOAD))
     sweep_orphaned_socket_dirs()  # those of SIGKILLed launchers and managers
     use_owned_socket_dir()  # the fork server's socket goes there
-    with _sigint_ignored(), quiet_killed_worker_trackers():
+    # SIGTERM too: `timeout`, `kill -- -PGID` or a service manager send it to the whole process group, and a
+    # server that died of it took every worker with it (PR_SET_PDEATHSIG), before the launcher could stop them
+    with _signals_ignored(signal.SIGINT, signal.SIGTERM), quiet_killed_worker_trackers():
         forkserver.ensure_running()
+
+
+#: Why a process rbpipe starts can fail before it runs: the script that started it has no ``__main__`` guard
+MAIN_GUARD_HINT = ("a script that starts rbpipe processes (a run, a grouping manager, a shared buffer) must do so "
+                   "under `if __name__ == \"__main__\":`: each process it starts imports the script again")
+
+
+def refuse_start_while_bootstrapping() -> None:
+    """In a child that is importing its starter's main script (one without a ``__main__`` guard, which starts
+    rbpipe processes again at import time): end with one line, instead of ``multiprocess``'s page-long
+    ``RuntimeError`` here and a bare ``EOFError`` in the starter."""
+    if getattr(multiprocess.current_process(), "_inheriting", False):
+        import sys
+
+        # printed here: a fork server's child ends with os._exit, which would drop a SystemExit's message
+        print(f"rbpipe: error: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def worker_context() -> multiprocess.context.BaseContext:
     """The context every rbpipe process is started from: the fork server (:class:`_WorkerProcess`)."""
+    refuse_start_while_bootstrapping()
     warm_worker_server()
     return _WorkerContext()
 

@@ -13,15 +13,17 @@ from rbpipe.background import BackgroundJobs, snapshot
 
 def test_jobs_run_in_submission_order_and_close_waits_for_the_queued_ones():
     done = []
+    release = threading.Event()  # the jobs wait for it: "submit did not wait" holds however slow this thread is
 
     def slow(i):
-        time.sleep(0.02)
+        assert release.wait(30)
         done.append(i)
 
     jobs = BackgroundJobs()
     for i in range(5):
         jobs.submit(slow, i)
-    assert len(done) < 5  # submit did not wait for the writes
+    assert done == []  # submit did not wait for the writes
+    release.set()
     jobs.close()
     assert done == [0, 1, 2, 3, 4]
 

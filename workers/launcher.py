@@ -26,7 +26,7 @@ from rbpipe.workers.serve import Service
 
 from rbpipe.clients import check_store_path, open_run_store
 from rbpipe.config import RunConfig
-from rbpipe.errors import ConfigError, RbpipeError
+from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
 from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
 from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar
@@ -52,6 +52,11 @@ PIDS = "pids.json"  # {name: pid} of the run's processes (launcher, manager, lea
 PID_STARTS = "pid_starts.json"  # {name: start time in clock ticks}: tells a live process from a recycled pid
 SUPERVISE_POLL_S = 0.1  # the supervisor's look at the service: a finished run is wound down this soon after
 STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
+#: A stop's bounded waits (docs/DESIGN.md, "Stopping"): workers get STOP_GRACE_S to finish their step (a second
+#: signal skips it), then SIGTERM (the learner abandons its step where safe and checkpoints) and TERM_GRACE_S
+#: (a checkpoint of a large model takes seconds to write), then SIGKILL (a third signal skips to it)
+STOP_GRACE_S = 15.0
+TERM_GRACE_S = 30.0
 
 
 @dataclass
@@ -185,6 +190,11 @@ class StopRequest:
     @property
     def hurry(self) -> bool:
         return len(self.signals) > 1
+
+    @property
+    def kill_now(self) -> bool:
+        """A third signal: workers still running are killed without waiting for them."""
+        return len(self.signals) > 2
 
     def check(self) -> None:
         """Between start-up steps: stop now if asked to."""
@@ -322,11 +332,14 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
                             ctx=ctx)
     except _Interrupted:
         pass
+    except ManagerDiedError as err:  # a summary all the same: the store, the metrics and the checkpoint say enough
+        log(str(err))
+        status = ("interrupted" if workers else "stopped") if stop_request.requested else "manager died"
     finally:
         if stop_request.requested and status == "interrupted":
             log(f"interrupted ({stop_request.signals[0]}): stopping workers; {resume_hint(run_dir)}")
         service.request_stop()
-        _stop_all(workers, hurry=lambda: stop_request.hurry)
+        _stop_all(workers, hurry=lambda: stop_request.hurry, kill_now=lambda: stop_request.kill_now, log=log)
         if not workers and not stop_request.hurry:  # `rbpipe serve`: attached workers leave before it closes
             service.wait_for_workers()
         service.confirm_stored()
@@ -419,16 +432,22 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
     try:
         while True:
             time.sleep(SUPERVISE_POLL_S)
-            status = service.status()
+            if stop_request.requested:  # first: a learner stopped by the same signal (a process group's) reports done
+                return "interrupted" if workers else "stopped"
+            try:
+                status = service.status()
+            except ManagerDiedError as err:  # the stop path still writes the summary, from the store and metrics
+                if stop_request.requested:
+                    return "interrupted" if workers else "stopped"
+                log(f"{err}")
+                return "manager died"
             learner_state = status["learner"]
             if learner_state["done"]:
                 return "done"
-            if stop_request.requested:
-                return "interrupted" if workers else "stopped"
             if learner is not None and hasattr(learner.process, "poll_restarts"):
                 _note_learner_restarts(learner, pids, run_dir, ctx, cfg, log)
             if learner is not None and not learner.process.is_alive():
-                if service.status()["learner"]["done"]:  # it reported done and left between the two checks
+                if _final_status(service).get("learner", {}).get("done"):  # reported done, left between two checks
                     return "done"
                 cause = exit_cause(learner.process.exitcode)
                 log(f"learner {cause}; stopping the run ({resume_hint(run_dir)})")
@@ -503,21 +522,44 @@ def _stall_report(status: dict, idle_s: float) -> str:
             f"{stats.get('queued_trajectories')}")
 
 
-def _stop_all(workers: list[Worker], timeout: float = 15.0, hurry=lambda: False) -> None:
-    """Wait up to ``timeout`` for workers to stop on their own (they finish their step and close the store),
-    then terminate, then kill; ``hurry()`` (a second Ctrl-C) cuts the wait short."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and not hurry():
-        if not any(w.process is not None and w.process.is_alive() for w in workers):
-            break
-        time.sleep(0.05)
-    for w in workers:
-        if w.process is not None and w.process.is_alive():
+def _stop_all(workers: list[Worker], timeout: float | None = None, hurry=lambda: False, kill_now=lambda: False,
+              log=None, term_timeout: float | None = None) -> None:
+    """Stop ``rbpipe run``'s workers (the service already asked them to finish), with waits that escalate:
+    up to ``timeout`` (:data:`STOP_GRACE_S`) for them to leave on their own (the learner finishes its step and
+    checkpoints; ``hurry()``, a second signal, skips this), then SIGTERM and up to ``term_timeout``
+    (:data:`TERM_GRACE_S`) for those still running (the learner abandons its step and checkpoints the last
+    finished one; ``kill_now()``, a third signal, cuts it short), then SIGKILL. Returns once every worker is
+    gone, so that the manager they talk to is shut down only after them."""
+    timeout = STOP_GRACE_S if timeout is None else timeout
+    term_timeout = TERM_GRACE_S if term_timeout is None else term_timeout
+
+    def alive() -> list[Worker]:
+        return [w for w in workers if w.process is not None and w.process.is_alive()]
+
+    def wait(seconds: float, cut_short) -> None:
+        deadline = time.monotonic() + seconds
+        while alive() and time.monotonic() < deadline and not cut_short():
+            time.sleep(0.05)
+
+    wait(timeout, lambda: hurry() or kill_now())
+    late = alive()
+    if late:
+        if log is not None:
+            log(f"{', '.join(w.name for w in late)} still running: SIGTERM (the learner abandons its step and "
+                "writes its checkpoint)")
+        for w in late:
             w.process.terminate()
-            w.process.join(timeout=3)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(timeout=3)
+        wait(term_timeout, kill_now)
+    late = alive()
+    if late and log is not None:
+        log(f"{', '.join(w.name for w in late)} still running: SIGKILL")
+    for w in late:
+        w.process.kill()
+    for w in late:
+        w.process.join(timeout=10)
+    for w in workers:  # how each ended, for the summary (a collector killed mid-hand-over may lose that call)
+        if w.process is not None and w.process.exitcode not in (0, None):
+            w.exits.append(exit_cause(w.process.exitcode))
 
 
 def _final_status(service: Service) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
 
+from rbpipe import fault_hooks
 from rbpipe.background import BackgroundJobs, snapshot
 from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
@@ -30,6 +31,7 @@ from rbpipe.procs import run_worker, settle_heap
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
+from rbpipe.step_stop import StepAbandoned, StepStop
 from rbpipe.storage import collate_identity
 
 CHECKPOINT = "checkpoint.pt"
@@ -128,56 +130,88 @@ def _train(client: LearnerClient) -> None:
         saved = step
 
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
+    # SIGTERM abandons the step in progress where that is safe (rbpipe.step_stop); a stop the service asks for
+    # (Ctrl-C of `rbpipe run`) lets it finish
+    stop = StepStop(model, optimizer).install()
+    delay, held = fault_hooks.step_delay(), fault_hooks.hold_after_step()
+    if delay:
+        model.register_forward_pre_hook(lambda module, args: stop.sleep(delay))
+    stopping = _Stopping(client, stop)
+    before_draw, abandoned = sampler.state_dict(), False
     # the sink closes after the jobs that write to it: files, in step order, then the checkpoint after them
     with MetricsSink(run_dir, cfg.logger, start_step=step) as sink, BackgroundJobs() as jobs:
         reports = _Reports(client, sampler, sink, jobs.submit)
-        while step < cfg.steps and not client.stop_requested():
-            waited_from = time.perf_counter()
-            # stale groups retired while waiting are published at once: they free the collectors
-            if not limiter.wait_sample(cfg.groups_per_step, lambda: sampler.available_groups(storage),
-                                       stop_event=client, on_wait=reports.retired_while_waiting, poll_s=WAIT_POLL_S):
-                break
-            sample_from = time.perf_counter()
-            data_wait = sample_from - waited_from
-            rows, info = buffer.sample(return_info=True)
-            busy_start = time.perf_counter()
-            batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
-            metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
-            trained_at = time.perf_counter()
-            lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
-            step += 1
-            sampler.consumer_version = step
-            client.publish(model, step)
-            now = time.perf_counter()
-            busy_fraction = (trained_at - busy_start) / max(now - last_end, 1e-9)
-            last_end = now
-            reward = rows.get(REWARD_KEY).float()
-            record: dict[str, Any]
-            record = {"step": step, "time_s": round(time.time() - t0, 4),
-                      "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
-                      "groups_consumed": sampler.consumed_groups, "trained_groups": None,  # None: see _Reports
-                      "stale_groups": sampler.stale_groups,
-                      "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
-                      "learner/policy_lag_max": float(lag.max()),
-                      "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups
-                      "learner/train_s": trained_at - busy_start,  # loss batch, loss, backward, optimizer
-                      "learner/sample_s": busy_start - sample_from,  # reading the drawn groups from the store
-                      "learner/publish_s": now - trained_at,  # the new weights, to the collectors
-                      # collectors' seconds since the last step (all collectors together): blocked on the rate
-                      # limit, generating, handing trajectories over to the shared buffer
-                      "learner/collectors_rate_limited_s": None, "collectors/generate_s": None,
-                      "collectors/handover_s": None,
-                      **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
-            reports.step_done(record, rows)
-            recent = (recent + [record["reward_mean"]])[-10:]
-            reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or reached:
-                checkpoint()
-            if reached:
-                break
-        if step != saved:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
+        try:
+            while step < cfg.steps and not stop.requested and not client.stop_requested():
+                before_draw = sampler.state_dict()
+                with stop.step():
+                    waited_from = time.perf_counter()
+                    # stale groups retired while waiting are published at once: they free the collectors
+                    if not limiter.wait_sample(cfg.groups_per_step, lambda: sampler.available_groups(storage),
+                                               stop_event=stopping, on_wait=reports.retired_while_waiting,
+                                               poll_s=WAIT_POLL_S):
+                        break
+                    sample_from = time.perf_counter()
+                    data_wait = sample_from - waited_from
+                    rows, info = buffer.sample(return_info=True)
+                    busy_start = time.perf_counter()
+                    batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
+                    metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
+                trained_at = time.perf_counter()
+                lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
+                step += 1
+                sampler.consumer_version = step
+                client.publish(model, step)
+                now = time.perf_counter()
+                busy_fraction = (trained_at - busy_start) / max(now - last_end, 1e-9)
+                last_end = now
+                reward = rows.get(REWARD_KEY).float()
+                record: dict[str, Any]
+                record = {"step": step, "time_s": round(time.time() - t0, 4),
+                          "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
+                          "groups_consumed": sampler.consumed_groups, "trained_groups": None,  # None: see _Reports
+                          "stale_groups": sampler.stale_groups,
+                          "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
+                          "learner/policy_lag_max": float(lag.max()),
+                          "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups
+                          "learner/train_s": trained_at - busy_start,  # loss batch, loss, backward, optimizer
+                          "learner/sample_s": busy_start - sample_from,  # reading the drawn groups from the store
+                          "learner/publish_s": now - trained_at,  # the new weights, to the collectors
+                          # collectors' seconds since the last step (all collectors together): blocked on the rate
+                          # limit, generating, handing trajectories over to the shared buffer
+                          "learner/collectors_rate_limited_s": None, "collectors/generate_s": None,
+                          "collectors/handover_s": None,
+                          **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
+                reports.step_done(record, rows)
+                recent = (recent + [record["reward_mean"]])[-10:]
+                reached = (cfg.target_reward is not None and len(recent) == 10
+                           and sum(recent) / 10 >= cfg.target_reward)
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps or reached:
+                    checkpoint()
+                if reached:
+                    break
+                if held is not None and step == held[0]:  # a fault test's fixed point (rbpipe.fault_hooks)
+                    jobs.drain()  # its metrics line and checkpoint are on disk
+                    fault_hooks.hold(held[1], stopping.is_set)
+        except StepAbandoned:  # SIGTERM: model and optimizer are the last finished step's; its groups go back
+            sampler.load_state_dict(before_draw)
+            abandoned = True
+        finally:
+            stop.close()
+        if step != saved or abandoned:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
             checkpoint()
     client.report(done=1)  # every metrics line and the last checkpoint are on disk
+
+
+class _Stopping:
+    """Stop asked by the service (:meth:`LearnerClient.is_set`, which asks at most every 0.2 s) or by SIGTERM of
+    this process: what the waits of a step take as their ``stop_event``."""
+
+    def __init__(self, client: LearnerClient, stop: StepStop) -> None:
+        self.client, self.stop = client, stop
+
+    def is_set(self) -> bool:
+        return self.stop.requested or self.client.is_set()
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -21,7 +21,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
-from rbpipe.procs import die_with_parent, settle_heap, use_owned_socket_dir, worker_context
+from rbpipe.procs import MAIN_GUARD_HINT, die_with_parent, settle_heap, use_owned_socket_dir, worker_context
 from rbpipe.service_api import COORDINATOR_EXPOSED
 
 if TYPE_CHECKING:
@@ -216,6 +216,7 @@ def _init_manager_process(owner: int | None = None) -> None:
     from multiprocess import util as mp_util
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the workers; the launcher shuts us down
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as does a SIGTERM of the process group (its owner stops us)
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
     # A process inherits its starter's temporary directory setting, and the starter's directory also holds the
     # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes, or, after a
@@ -239,7 +240,10 @@ def start_manager(*, address: tuple[str, int] | str | None = None, authkey: byte
     spin_seconds()  # a bad RBPIPE_SPIN_US fails here, in plain words, before a process is spawned
     manager = GroupingManager(address=address, authkey=authkey or secrets.token_bytes(32),
                               ctx=worker_context())  # it ignores Ctrl-C: its owner shuts it down
-    manager.start(_init_manager_process, (os.getpid(),))
+    try:
+        manager.start(_init_manager_process, (os.getpid(),))
+    except EOFError:  # it died before it answered: a script without a __main__ guard (procs.MAIN_GUARD_HINT)
+        raise ConfigError(f"the grouping manager process ended before it started: {MAIN_GUARD_HINT}") from None
     return manager
 
 

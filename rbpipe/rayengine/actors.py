@@ -9,6 +9,7 @@ import traceback
 import uuid
 from typing import Any
 
+from rbpipe import fault_hooks
 from rbpipe.errors import ConfigError
 from rbpipe.rayengine.common import _ray
 
@@ -174,6 +175,9 @@ class RayContext:
             restart_kwargs = {"restarted": True}
         if self.namespace:
             options["namespace"] = self.namespace
+        hooks = fault_hooks.forwarded_env()  # Ray's workers do not inherit this process's environment
+        if hooks:
+            options["runtime_env"] = {"env_vars": hooks}
         if resources:
             options["resources"] = dict(resources)
         return _PlacedProcess(self, self.entries[target], args, worker, options, restart_kwargs)

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from rbpipe import fault_hooks
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.rayengine.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
 from rbpipe.rayengine.session import init_ray, use_loopback
@@ -202,6 +203,9 @@ class RayManager:
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         common = {"namespace": ns, "num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
+        hooks = fault_hooks.forwarded_env()  # Ray's workers do not inherit this process's environment
+        if hooks:
+            common["runtime_env"] = {"env_vars": hooks}
         coordinator = ray.remote(CoordinatorHost).options(name=prefix + COORDINATOR_NAME, **common).remote(ttl)
         logs = None if log_dir is None else str(shard_log_dir(log_dir, prefix))
         restarts = int(shard_restarts) if logs else 0

@@ -20,27 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults.shared_places import session_pids
 from tests.faults.test_supervision import wait_for
 
 STEPS = 1000  # stages 2 and 3 are stopped long before; the last resume sets a near target with --steps
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress"]
 SMALL = ["--collectors", "1", "--grpo-size", "4", "--groups-per-step", "2", "--steps", str(STEPS)]
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session ``sid``, from /proc (no psutil)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            found.append(int(entry))
-    return found
 
 
 def assert_all_gone(sid: int, timeout: float = 10.0) -> None:

@@ -1,5 +1,8 @@
 """Real processes, real signals: the launcher survives dead collectors, stops cleanly on a dead learner or
-manager, refuses a second writer, and a killed run resumes with nothing lost."""
+manager, refuses a second writer, and a killed run resumes with nothing lost.
+
+Every fault fires at a step the run cannot have passed: the learner holds after that step until the test creates a
+file (``RBPIPE_TEST_HOLD_AFTER_STEP``, :mod:`rbpipe.fault_hooks`), so a fast machine cannot finish the run first."""
 
 from __future__ import annotations
 
@@ -14,12 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from rbpipe.fault_hooks import HOLD_ENV
+from tests.faults.shared_places import assert_nothing_left, leftovers, semaphores_of, session_pids
+
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--grpo-size", "4", "--groups-per-step", "2"]
 
 
-def start_run(run_dir: Path, *extra: str) -> subprocess.Popen:
+def start_run(run_dir: Path, *extra: str, hold: tuple[int, Path] | None = None) -> subprocess.Popen:
+    """``hold=(N, PATH)``: the learner waits after step N until PATH exists."""
+    env = dict(os.environ)
+    if hold is not None:
+        env[HOLD_ENV] = f"{hold[0]}:{hold[1]}"
     return subprocess.Popen(RUN + ["--run-dir", str(run_dir), *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -63,14 +73,17 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def kill_during_run(run_dir: Path, steps: int, victim: str, after_steps: int, timeout: float):
-    """Start a run, SIGKILL worker ``victim`` once the learner made ``after_steps`` steps, wait for the run to
-    end. Returns (output, exit code, the workers' pids, seconds from the kill to the end)."""
-    proc = start_run(run_dir, "--steps", str(steps))
+    """Start a run, SIGKILL worker ``victim`` while the learner holds after step ``after_steps``, release it, wait
+    for the run to end. Returns (output, exit code, the workers' pids, seconds from the kill to the end)."""
+    release = run_dir.parent / "release"
+    proc = start_run(run_dir, "--steps", str(steps), hold=(after_steps, release))
     try:
         wait_for(lambda: learner_steps(run_dir) >= after_steps, 150, f"{after_steps} learner steps")
+        assert learner_steps(run_dir) == after_steps  # held there
         workers = pids(run_dir)
         os.kill(workers[victim], signal.SIGKILL)
         t_kill = time.time()
+        release.touch()
         out = finish(proc, timeout)
     finally:
         if proc.poll() is None:
@@ -137,7 +150,7 @@ def test_dead_manager_makes_the_run_fail_fast_with_a_clear_message(tmp_path):
 @pytest.mark.timeout(300)
 def test_second_run_on_the_same_store_is_refused_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "--steps", "500")
+    proc = start_run(run_dir, "--steps", "500", hold=(1, tmp_path / "never"))  # it cannot end meanwhile
     try:
         wait_for(lambda: learner_steps(run_dir) >= 1, 150, "the first run to start")
         second = subprocess.run(RUN + ["--run-dir", str(tmp_path / "other"), "--store", str(run_dir / "store"),
@@ -159,10 +172,12 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     """Every process of the run SIGKILLed at once (no resource tracker is left to clean up either): the resumed
     run accounts for every trajectory, and nothing of either run stays in /dev/shm."""
     run_dir = tmp_path / "run"
-    shm_before = _shm()
-    proc = start_run(run_dir, "--steps", "24")
+    shm_before = leftovers()
+    proc = start_run(run_dir, "--steps", "24", hold=(12, tmp_path / "never"))  # killed while it holds there
     try:
         wait_for(lambda: learner_steps(run_dir) >= 12, 150, "12 learner steps (a checkpoint exists)")
+        # no process of the run holds a named semaphore (sem.mp-*), which nobody could unlink after the kill
+        assert semaphores_of(session_pids(proc.pid)) == set()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
     finally:
@@ -182,9 +197,5 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     before = {g["group_id"] for g in committed}
     resumed_groups = [g for g in after if g["group_id"] not in before]
     assert resumed_groups and all(min(g["policy_versions"]) > 0 for g in resumed_groups)
-    assert _shm() - shm_before == set()  # e.g. a named semaphore (sem.mp-*) nobody could unlink after the kill
-
-
-def _shm() -> set[str]:
-    """Named semaphores and rbpipe's files in /dev/shm."""
-    return {f for f in os.listdir("/dev/shm") if f.startswith(("sem.", "rbpipe"))}
+    # a weights file or socket directory of the killed run: the next run removes them
+    assert_nothing_left(shm_before)

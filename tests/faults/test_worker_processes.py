@@ -6,9 +6,11 @@ starter alone would tell them)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -116,21 +118,45 @@ def test_socket_directories_of_sigkilled_processes_are_swept_and_live_ones_kept(
 
     script = tmp_path / "starter.py"
     script.write_text(SOCKETS_STARTER)
+    # a private temporary directory: every rbpipe run on this machine sweeps /tmp, and one started by somebody
+    # else between the kill and the checks below would remove these directories first (short: socket paths)
+    root = Path(tempfile.mkdtemp(prefix="rbs-", dir="/tmp"))
     starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, env=dict(os.environ, TMPDIR=str(root)))
     try:
-        info = json.loads(starter.stdout.readline())
-        dirs = [Path(info["launcher"]), Path(info["manager"])]
-        assert all(d.name.startswith(SOCKET_DIR_PREFIX) and d.is_dir() for d in dirs), info
-        assert dirs[0] != dirs[1] and any(dirs[1].glob("listener-*")), info
-        sweep_orphaned_socket_dirs()
-        assert all(d.is_dir() for d in dirs), "a live process's socket directory was swept"
+        try:
+            info = json.loads(starter.stdout.readline())
+            dirs = [Path(info["launcher"]), Path(info["manager"])]
+            assert all(d.name.startswith(SOCKET_DIR_PREFIX) and d.parent == root and d.is_dir() for d in dirs), info
+            assert dirs[0] != dirs[1] and any(dirs[1].glob("listener-*")), info
+            sweep_orphaned_socket_dirs(root)
+            assert all(d.is_dir() for d in dirs), "a live process's socket directory was swept"
+        finally:
+            os.killpg(starter.pid, signal.SIGKILL)  # launcher, fork server and manager: nobody cleans up
+            starter.wait(10)
+        deadline = time.time() + 10
+        while pid_alive(info["manager_pid"]) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(d.is_dir() for d in dirs)  # left behind by the kill...
+        assert sweep_orphaned_socket_dirs(root) == 2
+        assert not any(d.exists() for d in dirs)  # ...and removed by the next sweep
     finally:
-        os.killpg(starter.pid, signal.SIGKILL)  # launcher, fork server and manager: nobody cleans up
-        starter.wait(10)
-    deadline = time.time() + 10
-    while pid_alive(info["manager_pid"]) and time.time() < deadline:
-        time.sleep(0.05)
-    assert all(d.is_dir() for d in dirs)  # left behind by the kill...
-    assert sweep_orphaned_socket_dirs() >= 2
-    assert not any(d.exists() for d in dirs)  # ...and removed by the next sweep
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_is_told_so_in_one_line(tmp_path):
+    """Each process rbpipe starts imports its starter's script again; without ``if __name__ == "__main__":`` the
+    script starts a manager again in there. Starter and child each end with one line that names the guard (the
+    starter used to get a bare ``EOFError``, the child multiprocess's page-long ``RuntimeError``)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from rbpipe.grouping import start_manager\nmanager = start_manager()\nmanager.shutdown()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("rbpipe.errors.ConfigError: the grouping manager process ended before it started"), last
+    assert 'if __name__ == "__main__":' in last
+    assert "EOFError" not in done.stderr and "bootstrapping phase" not in done.stderr, done.stderr[-3000:]
+    child = [line for line in done.stderr.splitlines() if line.startswith("rbpipe: error:")]
+    assert len(child) == 1 and 'if __name__ == "__main__":' in child[0], done.stderr[-3000:]

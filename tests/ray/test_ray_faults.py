@@ -1,5 +1,9 @@
 """Faults on the Ray engine: a collector actor killed mid-run (``ray.kill``), a worker node removed; the run
-finishes, nothing is lost beyond what was in flight, no group is torn or stored twice."""
+finishes, nothing is lost beyond what was in flight, no group is torn or stored twice.
+
+Each fault fires while the learner holds after a given step (``RBPIPE_TEST_HOLD_AFTER_STEP``,
+:mod:`rbpipe.fault_hooks`, forwarded to the worker actors) until the test creates a file once the fault is done:
+the run cannot have passed that step, or finished, whatever the machine's speed."""
 
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ from pathlib import Path
 import pytest
 from ray_helpers import check_store, ray_env, ray_run_cmd
 
+from rbpipe.fault_hooks import HOLD_ENV
 
-def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_env())
+
+def _start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ray_env())
 
 
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
@@ -45,12 +51,16 @@ def _finish(proc: subprocess.Popen, timeout: float = 200) -> dict:
 
 
 def _run_with_fault(cmd: list[str], run_dir: Path, after_steps: int, ready: str, fault) -> dict:
-    """Start the run, wait for ``after_steps`` learner steps and ``RUN_DIR/<ready>``, call ``fault(proc)``, then
-    wait for the run to finish; returns its summary (the run is killed if the test fails on the way)."""
-    proc = _start(cmd)
+    """Start the run with its learner holding after step ``after_steps``, wait for that step and
+    ``RUN_DIR/<ready>``, call ``fault(proc)``, release the learner, then wait for the run to finish; returns its
+    summary (the run is killed if the test fails on the way)."""
+    release = run_dir.parent / "release"
+    proc = _start(cmd, env=dict(ray_env(), **{HOLD_ENV: f"{after_steps}:{release}"}))
     try:
         _wait_for(lambda: _steps_done(run_dir) >= after_steps and (run_dir / ready).exists(), 150, proc)
+        assert _steps_done(run_dir) == after_steps  # held there
         fault(proc)
+        release.touch()
         return _finish(proc)
     finally:
         if proc.poll() is None:
@@ -129,10 +139,10 @@ def test_registry_shard_killed_and_restarted_by_ray(ray_cluster, tmp_path):
         _wait_for(lambda: _try_pid(shard) not in (None, pid), 60, proc)  # Ray brought it back
         assert ray.get(shard.__ray_call__.remote(lambda self: self.replayed)) > 0
 
-    # 30 steps: the run must outlive the shard's restart (it is killed after the first step)
-    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=30), run_dir, 1, "endpoint.json",
+    # killed while the learner holds after its first step: the run outlives the shard's restart
+    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=8), run_dir, 1, "endpoint.json",
                               kill_shard)
-    _check_summary(summary, 30)
+    _check_summary(summary, 8)
     assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0
     assert not list(run_dir.glob("*shards"))  # the shards' logs go with the service
     check_store(run_dir, summary)
@@ -170,7 +180,9 @@ def test_learner_actor_killed_and_restarted_by_ray_resumes_from_its_checkpoint(r
 
     started = time.monotonic()
     cmd = ray_run_cmd(cluster.address, run_dir, "--checkpoint-every", "3", steps=8)
-    summary = _run_with_fault(cmd, run_dir, 4, "checkpoint.pt", kill_learner)  # killed between checkpoints
+    # killed while it holds after step 4, between checkpoints (steps 3 and 6); its new incarnation resumes from
+    # step 3 and holds after step 4 again until the test releases it, after the kill
+    summary = _run_with_fault(cmd, run_dir, 4, "checkpoint.pt", kill_learner)
     resumed = summary["learner_start_step"]
     print(f"learner killed after {at_kill['steps']} steps (checkpoint at step {at_kill['checkpoint_step']}), "
           f"resumed from step {resumed}, finished at {summary['learner_steps']} in {time.monotonic() - started:.0f}s")
@@ -178,9 +190,8 @@ def test_learner_actor_killed_and_restarted_by_ray_resumes_from_its_checkpoint(r
     assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0  # no collector died
     assert summary["learner_restarts"] == 1
     assert summary["worker_exits"]["learner"] == ["restarted by Ray"]
-    # resumed from a checkpoint (every 3 steps), not from 0: the one it read, or a later one written before the kill
-    assert at_kill["checkpoint_step"] >= 3 and at_kill["checkpoint_step"] <= resumed <= at_kill["steps"] + 1
-    assert resumed % 3 == 0 and resumed < 8
+    # resumed from the checkpoint of step 3, not from 0
+    assert at_kill["steps"] == 4 and at_kill["checkpoint_step"] == resumed == 3
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9)), steps  # steps after the checkpoint trained again, each logged once
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"] == 8

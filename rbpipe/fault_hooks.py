@@ -1,0 +1,73 @@
+"""Test hooks of the learner, read from the environment: a fault test must fire its fault at a point the run
+cannot have passed, whatever the machine's speed, and a stop test needs steps as slow as a real model's.
+
+* ``RBPIPE_TEST_HOLD_AFTER_STEP=N:PATH`` — once step ``N`` is trained, logged and (if due) checkpointed, the
+  learner waits until the file ``PATH`` exists (or a stop is requested). A test waits for step ``N`` in
+  ``metrics.jsonl``, fires its fault, then creates ``PATH``. A learner that resumes below ``N`` (after a
+  kill) holds at ``N`` again until ``PATH`` exists.
+* ``RBPIPE_TEST_HOLD_SHARD_RESTART=PATH`` — a Ray grouping shard that Ray restarted waits, before it replays
+  its log, until ``PATH`` exists: a test checks what answers while a shard is down, however fast Ray restarts it.
+* ``RBPIPE_TEST_STEP_DELAY_S=X`` — every forward pass of the learner's model takes ``X`` seconds longer (a sleep
+  that a stop abandons as it would abandon a real forward pass): a learner step costs what a large model's does.
+
+All are off unless set; they only slow or pause a process, never change what it computes. With
+``--engine ray`` they are passed to the worker and shard actors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rbpipe.errors import ConfigError
+
+HOLD_ENV = "RBPIPE_TEST_HOLD_AFTER_STEP"
+DELAY_ENV = "RBPIPE_TEST_STEP_DELAY_S"
+SHARD_RESTART_ENV = "RBPIPE_TEST_HOLD_SHARD_RESTART"
+#: What ``--engine ray`` forwards to its actors (Ray workers do not inherit the driver's environment)
+FORWARDED = (HOLD_ENV, DELAY_ENV, SHARD_RESTART_ENV)
+
+
+def step_delay() -> float:
+    """``RBPIPE_TEST_STEP_DELAY_S`` in seconds (0 when unset)."""
+    raw = os.environ.get(DELAY_ENV, "")
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"{DELAY_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+def hold_after_step() -> tuple[int, Path] | None:
+    """``(N, PATH)`` from ``RBPIPE_TEST_HOLD_AFTER_STEP=N:PATH``, or None when unset."""
+    raw = os.environ.get(HOLD_ENV, "")
+    if not raw:
+        return None
+    step, _, path = raw.partition(":")
+    if not step.strip().isdigit() or not path:
+        raise ConfigError(f"{HOLD_ENV} must be STEP:PATH (e.g. 4:/tmp/release), got {raw!r}")
+    return int(step), Path(path)
+
+
+def hold(path: Path, stopping: Callable[[], bool], poll_s: float = 0.05) -> None:
+    """Wait until ``path`` exists or ``stopping()``."""
+    while not path.exists() and not stopping():
+        time.sleep(poll_s)
+
+
+def hold_shard_restart(restarted: bool) -> None:
+    """In a shard actor's constructor: a restarted shard waits for ``RBPIPE_TEST_HOLD_SHARD_RESTART``'s file."""
+    path = os.environ.get(SHARD_RESTART_ENV)
+    if restarted and path:
+        hold(Path(path), lambda: False)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The hooks set in this process, for worker processes that do not inherit its environment."""
+    return {k: os.environ[k] for k in FORWARDED if k in os.environ}

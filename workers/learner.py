@@ -21,10 +21,12 @@ from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
 from rbpipe.background import BackgroundJobs, snapshot
 from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
+from rbpipe.device import autocast
 from rbpipe.errors import RbpipeError
 from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.loss.batch import row_sums
+from rbpipe.memory import PeakMemory
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.procs import run_worker, settle_heap
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
@@ -84,7 +86,8 @@ def run_learner(target: str | Path, *, authkey_file: str | None = None, model: s
 
 def _train(client: LearnerClient) -> None:
     cfg, run_dir, storage, limiter = client.config, client.run_dir, client.storage, client.limiter
-    model, tokenizer = cfg.make_model_and_tokenizer()  # --model PATH or the built-in one
+    # --model PATH or the built-in one, on --device with float32 master weights (the forward autocasts to --dtype)
+    model, tokenizer = cfg.learner_model_and_tokenizer()
     actor = build_learner_actor(model, tokenizer)
     loss_cfg = cfg.loss_config()
     ref_actor = None
@@ -116,6 +119,7 @@ def _train(client: LearnerClient) -> None:
     client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0, **_progress(sampler))
     settle_heap()  # no kernels to compile: with one torch thread the learner reads groups with numpy
     client.report(phase=LEARNER_READY)
+    memory = PeakMemory(run_dir, "learner")  # summary.json's peak_rss_mb
     t0 = time.time()
     recent: list[float] = []
     saved = step
@@ -141,8 +145,11 @@ def _train(client: LearnerClient) -> None:
             data_wait = sample_from - waited_from
             rows, info = buffer.sample(return_info=True)
             busy_start = time.perf_counter()
-            batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
-            metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
+            with autocast(cfg.device, cfg.dtype):
+                batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old,
+                                         device=cfg.device)
+            metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches,
+                                 autocast=functools.partial(autocast, cfg.device, cfg.dtype))
             trained_at = time.perf_counter()
             lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
             step += 1
@@ -169,6 +176,7 @@ def _train(client: LearnerClient) -> None:
                       "collectors/handover_s": None,
                       **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
             reports.step_done(record, rows)
+            memory.update()
             recent = (recent + [record["reward_mean"]])[-10:]
             reached = cfg.target_reward is not None and len(recent) == 10 and sum(recent) / 10 >= cfg.target_reward
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or reached:
@@ -177,6 +185,7 @@ def _train(client: LearnerClient) -> None:
                 break
         if step != saved:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
             checkpoint()
+    memory.update()
     client.report(done=1)  # every metrics line and the last checkpoint are on disk
 
 

@@ -121,6 +121,7 @@ def _convert(path: Path, target: Path) -> None:
     plain.generation_config = loaded.generation_config
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would keep the shared cache from other users
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / DONE).write_text(json.dumps({"source": str(path.resolve()), "size": path.stat().st_size}))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,15 +88,18 @@ def test_a_file_that_is_not_gguf_is_one_config_error(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """One conversion for the module (and the run's processes), removed with the test's temporary folder."""
+    """One conversion for the module (and the run's processes), removed afterwards; a ``RBPIPE_CACHE_DIR`` set
+    by the caller is used as it is (and kept)."""
+    if os.environ.get("RBPIPE_CACHE_DIR"):
+        yield Path(os.environ["RBPIPE_CACHE_DIR"]).resolve()
+        return
     path = tmp_path_factory.mktemp("rbpipe-cache")
-    before = os.environ.get("RBPIPE_CACHE_DIR")
     os.environ["RBPIPE_CACHE_DIR"] = str(path)
-    yield path
-    if before is None:
+    try:
+        yield path
+    finally:
         os.environ.pop("RBPIPE_CACHE_DIR", None)
-    else:
-        os.environ["RBPIPE_CACHE_DIR"] = before
+        shutil.rmtree(path, ignore_errors=True)  # ~540 MB: not left in pytest's retained temporary folders
 
 
 @pytest.mark.timeout(600)

@@ -25,7 +25,7 @@ from rbpipe.device import autocast
 from rbpipe.errors import RbpipeError
 from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
-from rbpipe.loss.batch import row_sums
+from rbpipe.loss.batch import auto_micro_batches, row_sums
 from rbpipe.memory import PeakMemory
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.procs import run_worker, settle_heap
@@ -39,6 +39,8 @@ METRICS = "metrics.jsonl"
 #: How often a learner waiting for groups looks at the store again: a check costs ~0.1 ms (one fstat when
 #: nothing was committed), and at the limiter's 5 ms a step whose groups came 0.5 ms late lost 5 ms
 WAIT_POLL_S = 0.001
+#: weights + Adam states above this are checkpointed without a background copy (the copy doubles their memory)
+SNAPSHOT_LIMIT_BYTES = 256e6
 
 
 def save_checkpoint(run_dir: Path, state: dict) -> None:
@@ -126,10 +128,17 @@ def _train(client: LearnerClient) -> None:
 
     def checkpoint() -> None:  # written beside the next steps (a copy: training goes on updating in place)
         nonlocal saved
-        jobs.submit(save_checkpoint, run_dir, snapshot({
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-            "step": step, **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})}))
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+                 "step": step, **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})}
+        if large_state:  # a copy of weights and Adam states would add their size to the learner's peak: save here
+            jobs.drain()  # after the lines and checkpoints already queued
+            save_checkpoint(run_dir, state)
+        else:
+            jobs.submit(save_checkpoint, run_dir, snapshot(state))
         saved = step
+
+    # SmolLM2-135M's weights and Adam states: 1.6 GB to copy (the step itself peaks at ~3.7 GB)
+    large_state = sum(p.numel() for p in model.parameters()) * 12 > SNAPSHOT_LIMIT_BYTES
 
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
     # the sink closes after the jobs that write to it: files, in step order, then the checkpoint after them
@@ -148,7 +157,8 @@ def _train(client: LearnerClient) -> None:
             with autocast(cfg.device, cfg.dtype):
                 batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old,
                                          device=cfg.device)
-            metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches,
+            micro_batches = auto_micro_batches(model, batch, cfg.micro_batches)  # activations within the weights'
+            metrics = train_step(loss_module, optimizer, batch, micro_batches=micro_batches,
                                  autocast=functools.partial(autocast, cfg.device, cfg.dtype))
             trained_at = time.perf_counter()
             lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
@@ -164,6 +174,7 @@ def _train(client: LearnerClient) -> None:
                       "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
                       "groups_consumed": sampler.consumed_groups, "trained_groups": None,  # None: see _Reports
                       "stale_groups": sampler.stale_groups,
+                      "learner/micro_batches": micro_batches,
                       "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
                       "learner/policy_lag_max": float(lag.max()),
                       "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups

@@ -97,7 +97,7 @@ class ResponseLogits:
 
 
 @functools.cache
-def _keeps_logits(model_cls: type) -> bool:
+def _keeps_logits(model_cls: type[torch.nn.Module]) -> bool:
     """Whether the model's forward takes ``logits_to_keep`` (transformers >= 4.50's causal LMs do)."""
     return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
 

@@ -186,3 +186,26 @@ def test_a_step_keeps_one_full_vocabulary_tensor_for_backward(entropy_coef, monk
     theirs = _full_vocab_tensors_kept(make_loss(actor, cfg, old_from_current=True), batch, threshold,
                                       llama.parameters())
     assert theirs > ours, "the check must tell the two paths apart"
+
+
+def test_micro_batches_keep_activations_within_the_weights():
+    """SmolLM2-135M's shape on 32 rows of 72 tokens: 8 micro-batches (its learner peaked at 7.9 GB in one,
+    3.7 GB in 8; bench/RESULTS.md); the demo's tiny model stays at one; ``--micro-batches`` is a minimum."""
+    from tensordict import TensorDict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rbpipe.loss.batch import auto_micro_batches
+
+    def batch(rows: int, width: int):
+        return lazy_stack([TensorDict({"tokens": TensorDict({"full": torch.zeros(width, dtype=torch.long)})})
+                           for _ in range(rows)])
+
+    with torch.device("meta"):
+        smol = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                            tie_word_embeddings=True))
+    assert auto_micro_batches(smol, batch(32, 72)) == 8
+    assert auto_micro_batches(smol, batch(2, 2000)) == 2, "never more micro-batches than rows"
+    demo = build_model()
+    assert auto_micro_batches(demo, batch(64, 12)) == 1
+    assert auto_micro_batches(demo, batch(64, 12), minimum=4) == 4

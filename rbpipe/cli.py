@@ -41,8 +41,8 @@ examples:
 
 #: what ``--resume`` may change: everything else comes from the saved run (a clear error otherwise)
 RESUME_OVERRIDES = {"steps", "resume", "no_progress", "json", "listen", "engine", "ray_address", "grouping_shards",
-                    "ray_num_cpus", "ray_resources"}
-RAY_OPTIONS = ("ray_address", "grouping_shards", "ray_num_cpus", "ray_resources")
+                    "ray_num_cpus", "ray_resources", "ray_num_gpus"}
+RAY_OPTIONS = ("ray_address", "grouping_shards", "ray_num_cpus", "ray_resources", "ray_num_gpus")
 _UNSET = object()
 
 
@@ -107,6 +107,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--model", type=Path, metavar="PATH",
                    help="local Hugging Face causal-LM directory (save_pretrained output with its tokenizer) that "
                         "collectors sample and the learner trains; never downloads; None: the built-in tiny Qwen2")
+    _add_device_options(p)
     g = p.add_argument_group("rollouts and learner")
     g.add_argument("--steps", type=int,
                    help="learner steps: the cap of a run that stops at --target-reward (default 600), or exactly this "
@@ -158,6 +159,25 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on stdout (table and progress go to stderr)")
     return p
+
+
+def _add_device_options(p: argparse.ArgumentParser) -> None:
+    """Where the model runs and in what precision (``rbpipe.device``)."""
+    g = p.add_argument_group("devices and precision")
+    g.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
+                   help="where the learner and the collectors run the model")
+    g.add_argument("--collector-device", metavar="DEV",
+                   help="where the collectors sample, if not --device (e.g. the learner on cuda:0, collectors on "
+                        "cuda:1)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="collectors' weights and the learner's compute (autocast); the learner keeps float32 "
+                        "master weights and float32 log-probs and ratios")
+    g.add_argument("--ray-num-gpus", type=float, metavar="N",
+                   help="--engine ray: GPUs per worker actor (default 0; e.g. 1 with --device cuda)")
+
+
+def _device_options(args) -> dict:
+    return {"device": args.device, "collector_device": args.collector_device, "dtype": args.dtype}
 
 
 def _target(text: str) -> float | None:
@@ -329,7 +349,8 @@ def run_config(args, given: set[str]):
         micro_batches=args.micro_batches, checkpoint_every=args.checkpoint_every, seed=args.seed, loss=loss,
         logger=args.logger,
         **({"task": args.task} if args.task is not None else {}),
-        model=str(args.model) if args.model is not None else None)
+        model=str(args.model) if args.model is not None else None,
+        **_device_options(args))
 
 
 def _run(args, given: set[str]) -> int:
@@ -353,6 +374,8 @@ def _run(args, given: set[str]) -> int:
         ray_given = {d: getattr(args, d) for d in RAY_OPTIONS if getattr(args, d) is not None}
         if ray_given and args.engine != "ray":
             raise ConfigError(f"{_flag(next(iter(ray_given)))} applies only with --engine ray")
+        if args.ray_num_gpus is not None and args.ray_num_gpus < 0:
+            raise ConfigError(f"--ray-num-gpus must be >= 0, got {args.ray_num_gpus}")
         if args.grouping_shards is not None and args.grouping_shards < 1:
             raise ConfigError(f"--grouping-shards must be >= 1, got {args.grouping_shards}")
         if args.engine == "ray":
@@ -362,7 +385,7 @@ def _run(args, given: set[str]) -> int:
             start = functools.partial(start, engine="ray", ray={
                 "address": args.ray_address, "grouping_shards": args.grouping_shards or 1,
                 "num_cpus": args.ray_num_cpus if args.ray_num_cpus is not None else 1,
-                "resources": args.ray_resources})
+                "num_gpus": args.ray_num_gpus or 0, "resources": args.ray_resources})
         if args.resume is not None:  # the saved configuration wins; only --steps may extend the run
             summary = start(None, resume=args.resume, steps=args.steps, progress=not args.no_progress, log=log)
         else:

@@ -34,6 +34,10 @@ class RunConfig:
     # task and rollouts
     task: str = DEFAULT_TASK  # task spec (rbpipe.task_spec): every process builds the task from this string
     model: str | None = None  # local Hugging Face model directory; None = the built-in tiny Qwen2 (``demo.policy``)
+    # where models run (rbpipe.device): the learner and, unless collector_device says otherwise, the collectors
+    device: str = "cpu"
+    collector_device: str | None = None  # None: --device
+    dtype: str = "float32"  # collectors' weights; the learner keeps float32 weights and autocasts to this
     max_new_tokens: int = 1  # the task pays for the first token: longer responses only add gradient noise
     temperature: float = 1.0
     seed: int = 0
@@ -92,6 +96,12 @@ class RunConfig:
             raise ConfigError(f"--lr must be >= 0, got {self.lr}")
         if self.temperature <= 0:
             raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
+        from rbpipe.device import check_device, check_dtype
+
+        self.device = check_device("--device", self.device)
+        if self.collector_device is not None:
+            self.collector_device = check_device("--collector-device", self.collector_device)
+        self.dtype = check_dtype(self.dtype)
         self.task = normalize_spec(self.task)
         if self.model is not None:
             self.model = str(Path(self.model).expanduser().resolve())  # a --resume from elsewhere finds it
@@ -106,16 +116,50 @@ class RunConfig:
         return load_task(self.task, seed=self.seed)
 
     def make_model(self):
-        """The policy model every process starts from: ``--model PATH`` or the built-in tiny Qwen2."""
+        """The policy model every process starts from: ``--model PATH`` or the built-in tiny Qwen2 (float32, on
+        the CPU; :meth:`collector_model` and :meth:`learner_model` place it)."""
         return self.make_model_and_tokenizer(with_tokenizer=False)[0]
 
     def make_model_and_tokenizer(self, *, with_tokenizer: bool = True):
-        """``(model, tokenizer)``: the learner's actor needs the model's own tokenizer (pad id)."""
+        """``(model, tokenizer)`` in float32 on the CPU: the learner's actor needs the model's own tokenizer."""
         from rbpipe.demo.policy import build_model, build_tokenizer, load_pretrained
 
         if self.model is not None:
             return load_pretrained(self.model, with_tokenizer=with_tokenizer)
         return build_model(self.policy), build_tokenizer() if with_tokenizer else None
+
+    def check_devices(self) -> None:
+        """Refuse (one line) a CUDA device this machine's torch cannot use; workers placed elsewhere (Ray) are
+        checked where they run."""
+        from rbpipe.device import check_available
+
+        check_available("--device", self.device)
+        if self.collector_device is not None:
+            check_available("--collector-device", self.collector_device)
+
+    @property
+    def collectors_device(self) -> str:
+        """Where collectors sample: ``--collector-device``, else ``--device``."""
+        return self.collector_device or self.device
+
+    def collector_model(self):
+        """A collector's policy: on its device, in ``--dtype`` (published float32 weights are cast on load)."""
+        return self.collector_model_and_tokenizer(with_tokenizer=False)[0]
+
+    def collector_model_and_tokenizer(self, *, with_tokenizer: bool = True):
+        """:meth:`collector_model` with the model's tokenizer."""
+        from rbpipe.device import place
+
+        model, tokenizer = self.make_model_and_tokenizer(with_tokenizer=with_tokenizer)
+        return place(model, self.collectors_device, self.dtype), tokenizer
+
+    def learner_model_and_tokenizer(self):
+        """The learner's model on ``--device`` with float32 (master) weights, whatever ``--dtype``; its forward
+        pass autocasts to ``--dtype`` (:func:`rbpipe.device.autocast`)."""
+        from rbpipe.device import place
+
+        model, tokenizer = self.make_model_and_tokenizer()
+        return place(model, self.device, "float32"), tokenizer
 
     def check_rate_limit(self) -> None:
         """Refuse a lead, minimum size or ratio under which collectors and learner would wait for good.

@@ -19,6 +19,7 @@ import torch
 from rbpipe.clients import CollectorClient
 from rbpipe.demo.policy import sample_batch
 from rbpipe.errors import BadTrajectoryError
+from rbpipe.memory import PeakMemory
 from rbpipe.procs import run_worker, settle_heap
 from rbpipe.schema import make_trajectory
 
@@ -35,7 +36,8 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
     client = CollectorClient(target, authkey_file=authkey_file, collector_id=collector_id, task=task, model=model)
     try:
         cfg = client.config
-        policy = cfg.make_model()  # --model PATH or the built-in one; the learner's weights replace its own
+        # --model PATH or the built-in one, on its device in --dtype; the learner's weights replace its own
+        policy = cfg.collector_model()
         version = client.load_weights(policy)
         task_obj = cfg.make_task()  # built here from the spec: prompt(i) is the same in every process
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + client.collector_id * 104_729
@@ -43,6 +45,7 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
         if announce:
             log(f"[collector {client.collector_id}] attached to {client.run_dir}")
         settle_heap()
+        memory = PeakMemory(client.run_dir, f"collector {client.collector_id}")  # summary.json's peak_rss_mb
         while not client.stop_requested():
             # a learner step's worth of prompts at once (one unit of each): generated in one batch and handed
             # over in one call, so a step's groups are ready one generation + one hand-over after the band moves
@@ -56,6 +59,7 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
             samples = sample_batch(policy, prompts, [unit["samples"] for unit in units],
                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, generator=gen)
             client.add_generate_time(time.perf_counter_ns() - started)
+            memory.update()
             trajs = [make_trajectory(group_id=unit["prompt"], prompt=prompt, response=response, rollout_log_probs=lp,
                                      reward=float(task_obj.reward(prompt, response)),
                                      collector_id=client.collector_id, policy_version=version)

@@ -28,6 +28,7 @@ from rbpipe.clients import check_store_path, open_run_store
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError
 from rbpipe.fsutil import atomic_write_json
+from rbpipe.memory import record_peak, session_peaks
 from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
 from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar
 from rbpipe.progress import SUMMARY as WRITING_SUMMARY
@@ -206,9 +207,12 @@ class _Interrupted(Exception):
     """Start-up was interrupted by :class:`StopRequest` (never escapes :func:`launch`)."""
 
 
-def check_task_and_model(cfg: RunConfig) -> None:
+def check_task_and_model(cfg: RunConfig, *, local_devices: bool = True) -> None:
     """Build the task and load the model (and its tokenizer) once, as every worker will, so that a bad
-    ``--task`` or ``--model`` is a one-line error before any process starts or any file is written."""
+    ``--task`` or ``--model`` (or, with ``local_devices``, a ``--device`` this machine lacks) is a one-line error
+    before any process starts or any file is written."""
+    if local_devices:
+        cfg.check_devices()
     model, _ = cfg.make_model_and_tokenizer()
     check_task_fits(cfg.make_task(), cfg.task, model, cfg.max_new_tokens)
 
@@ -259,7 +263,7 @@ def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progr
             raise ConfigError(f"--grouping {cfg.grouping}: a run's collectors and learner attach to rbpipe's shared "
                               "grouping service; torchrl's stock MCAdvantage is the baseline of "
                               "`python bench/grouping.py` and `rbpipe stress --grouping torchrl`")
-        check_task_and_model(cfg)  # before the run directory or the store is touched
+        check_task_and_model(cfg, local_devices=engine == "local")  # before the run dir or the store is touched
         store = store.resolve()
         lock = WriterLock(store)
         lock.acquire()
@@ -344,6 +348,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
             service.wait_for_workers()
         service.confirm_stored()
         final = _final_status(service)
+        record_peak(run_dir, "manager", _manager_pid(service.manager))  # while it still runs
         service.close()
         try:
             repaired = repair_catalog(store)
@@ -392,8 +397,8 @@ def _ray_context(cfg: RunConfig, ray: dict):
     resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})
     entries = {collector_entry: functools.partial(run_collector, announce=False),
                learner_entry: functools.partial(run_learner, announce=False)}
-    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), resources=resources,
-                      learner_restarts=cfg.max_restarts)
+    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), num_gpus=float(ray.get("num_gpus") or 0),
+                      resources=resources, learner_restarts=cfg.max_restarts)
 
 
 def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
@@ -625,6 +630,7 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
         "store": str(store), "run_dir": str(run_dir), "plot": str(plot) if plot else None,
         "session": session, "grouping_stats": stats,
         "collectors": {k: final.get(k, 0) for k in ("units", "reissued_samples", "lost_leases")},
+        "peak_rss_mb": session_peaks(run_dir, since=t0),  # per process role, MB
         "conservation_ok": bool(stats) and balanced and session["lost_in_flight"] is not None
         and 0 <= session["lost_in_flight"] <= kills * max(1, session["largest_handover"]),
     }

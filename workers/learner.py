@@ -22,10 +22,12 @@ from rbpipe import fault_hooks
 from rbpipe.background import BackgroundJobs, snapshot
 from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
+from rbpipe.device import autocast
 from rbpipe.errors import RbpipeError
 from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
-from rbpipe.loss.batch import row_sums
+from rbpipe.loss.batch import auto_micro_batches, row_sums
+from rbpipe.memory import PeakMemory
 from rbpipe.metrics_log import MetricsSink
 from rbpipe.procs import run_worker, settle_heap
 from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
@@ -39,6 +41,8 @@ METRICS = "metrics.jsonl"
 #: How often a learner waiting for groups looks at the store again: a check costs ~0.1 ms (one fstat when
 #: nothing was committed), and at the limiter's 5 ms a step whose groups came 0.5 ms late lost 5 ms
 WAIT_POLL_S = 0.001
+#: weights + Adam states above this are checkpointed without a background copy (the copy doubles their memory)
+SNAPSHOT_LIMIT_BYTES = 256e6
 
 
 def save_checkpoint(run_dir: Path, state: dict) -> None:
@@ -86,7 +90,8 @@ def run_learner(target: str | Path, *, authkey_file: str | None = None, model: s
 
 def _train(client: LearnerClient) -> None:
     cfg, run_dir, storage, limiter = client.config, client.run_dir, client.storage, client.limiter
-    model, tokenizer = cfg.make_model_and_tokenizer()  # --model PATH or the built-in one
+    # --model PATH or the built-in one, on --device with float32 master weights (the forward autocasts to --dtype)
+    model, tokenizer = cfg.learner_model_and_tokenizer()
     actor = build_learner_actor(model, tokenizer)
     loss_cfg = cfg.loss_config()
     ref_actor = None
@@ -118,16 +123,24 @@ def _train(client: LearnerClient) -> None:
     client.report(step=step, start_step=step, phase=LEARNER_COMPILING, done=0, **_progress(sampler))
     settle_heap()  # no kernels to compile: with one torch thread the learner reads groups with numpy
     client.report(phase=LEARNER_READY)
+    memory = PeakMemory(run_dir, "learner")  # summary.json's peak_rss_mb
     t0 = time.time()
     recent: list[float] = []
     saved = step
 
     def checkpoint() -> None:  # written beside the next steps (a copy: training goes on updating in place)
         nonlocal saved
-        jobs.submit(save_checkpoint, run_dir, snapshot({
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-            "step": step, **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})}))
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+                 "step": step, **({"ref_model": ref_actor.model.state_dict()} if ref_actor else {})}
+        if large_state:  # a copy of weights and Adam states would add their size to the learner's peak: save here
+            jobs.drain()  # after the lines and checkpoints already queued
+            save_checkpoint(run_dir, state)
+        else:
+            jobs.submit(save_checkpoint, run_dir, snapshot(state))
         saved = step
+
+    # SmolLM2-135M's weights and Adam states: 1.6 GB to copy (the step itself peaks at ~3.7 GB)
+    large_state = sum(p.numel() for p in model.parameters()) * 12 > SNAPSHOT_LIMIT_BYTES
 
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
     # SIGTERM abandons the step in progress where that is safe (rbpipe.step_stop); a stop the service asks for
@@ -155,8 +168,13 @@ def _train(client: LearnerClient) -> None:
                     data_wait = sample_from - waited_from
                     rows, info = buffer.sample(return_info=True)
                     busy_start = time.perf_counter()
-                    batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old)
-                    metrics = train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches)
+                    with autocast(cfg.device, cfg.dtype):
+                        batch = build_loss_batch(rows, actor=actor, ref_actor=ref_actor, recompute_old=recompute_old,
+                                                 device=cfg.device)
+                    # activations within the weights' memory
+                    micro_batches = auto_micro_batches(model, batch, cfg.micro_batches)
+                    metrics = train_step(loss_module, optimizer, batch, micro_batches=micro_batches,
+                                         autocast=functools.partial(autocast, cfg.device, cfg.dtype))
                 trained_at = time.perf_counter()
                 lag = step - rows.get(VERSION_KEY).double()  # versions between the sampling policy and this update
                 step += 1
@@ -171,6 +189,7 @@ def _train(client: LearnerClient) -> None:
                           "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
                           "groups_consumed": sampler.consumed_groups, "trained_groups": None,  # None: see _Reports
                           "stale_groups": sampler.stale_groups,
+                          "learner/micro_batches": micro_batches,
                           "learner/busy_fraction": busy_fraction, "learner/policy_lag": float(lag.mean()),
                           "learner/policy_lag_max": float(lag.max()),
                           "learner/data_wait_s": data_wait,  # this step's wait for enough fresh groups
@@ -183,6 +202,7 @@ def _train(client: LearnerClient) -> None:
                           "collectors/handover_s": None,
                           **{k: v for k, v in metrics.items() if k not in ("reward_mean",)}}
                 reports.step_done(record, rows)
+                memory.update()
                 recent = (recent + [record["reward_mean"]])[-10:]
                 reached = (cfg.target_reward is not None and len(recent) == 10
                            and sum(recent) / 10 >= cfg.target_reward)
@@ -200,6 +220,7 @@ def _train(client: LearnerClient) -> None:
             stop.close()
         if step != saved or abandoned:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
             checkpoint()
+    memory.update()
     client.report(done=1)  # every metrics line and the last checkpoint are on disk
 
 

@@ -66,10 +66,13 @@ def build_model(cfg: PolicyConfig = PolicyConfig()) -> torch.nn.Module:
 
 
 def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[torch.nn.Module, Any]:
-    """A causal LM and its tokenizer from a local ``save_pretrained`` directory (``--model PATH``).
+    """A causal LM (float32, on the CPU) and its tokenizer from a local ``save_pretrained`` directory or a
+    ``.gguf`` file (``--model PATH``).
 
-    Never downloads (``local_files_only``): a run must not depend on the network. Any failure is a one-line
-    :class:`~rbpipe.errors.ConfigError`.
+    Never downloads (``local_files_only``): a run must not depend on the network. A GGUF file is converted
+    once into a plain directory that every later load reads (:mod:`rbpipe.gguf`). The weights come back in
+    float32 whatever dtype the directory was saved in: the learner's optimizer needs float32 master weights,
+    and collectors cast to ``--dtype`` themselves. Any failure is a one-line :class:`~rbpipe.errors.ConfigError`.
 
     Examples:
         >>> import tempfile
@@ -84,11 +87,14 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rbpipe.errors import ConfigError
+    from rbpipe.gguf import ensure_converted, is_gguf
 
     path = Path(path).expanduser()
+    if is_gguf(path):
+        path = ensure_converted(path)
     if not path.is_dir():
         raise ConfigError(f"--model {path}: no such directory; pass a local directory written by "
-                          "model.save_pretrained() and tokenizer.save_pretrained()")
+                          "model.save_pretrained() and tokenizer.save_pretrained(), or a .gguf file")
     if not (path / "config.json").is_file():
         raise ConfigError(f"--model {path}: no config.json there; pass a directory written by "
                           "model.save_pretrained() (with its tokenizer)")
@@ -107,7 +113,7 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
         text = " ".join(str(err).split())[:300]
         raise ConfigError(f"--model {path}: cannot load the {what} ({type(err).__name__}: {text}); pass a "
                           "causal-LM directory saved with save_pretrained() together with its tokenizer") from err
-    return model.eval(), tokenizer
+    return model.float().eval(), tokenizer
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -196,11 +202,15 @@ def sample_batch(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts
 
 
 def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
-    """All parameters as one float32 vector (what the learner publishes)."""
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    """All parameters as one float32 vector on the CPU (what the learner publishes, whatever its device)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cpu()
 
 
 def load_flat_parameters(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy a published vector into ``model``, cast to each parameter's dtype (one transfer to its device)."""
+    first = next(model.parameters(), None)
+    if first is not None and flat.device != first.device:
+        flat = flat.to(first.device)
     offset = 0
     with torch.no_grad():
         for p in model.parameters():

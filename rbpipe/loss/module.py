@@ -16,7 +16,7 @@ from torchrl.objectives.llm import DAPO, CISPOLoss, GRPOLoss
 from rbpipe.errors import ConfigError, RbpipeError
 from rbpipe.loss.config import LossConfig
 from rbpipe.loss.functional import aggregate, kl_penalty, policy_loss, rollout_importance_weights, train_policy_metrics
-from rbpipe.loss.logprobs import covers, sft_distribution
+from rbpipe.loss.logprobs import ResponseLogits, covers, sft_distribution
 from rbpipe.loss.metrics import MetricsAccumulator
 
 ROLLOUT_FULL_KEY = ("log_probs", "rollout_full")
@@ -93,6 +93,13 @@ class RbpipeGRPOLoss(GRPOLoss):
             lo, hi = self._clip_bounds
             clip_fraction = ((log_weight < lo) | (log_weight > hi)).to(log_weight.dtype).mean()
         return loss, clip_fraction
+
+    def _entropy(self, dist, adv: torch.Tensor) -> torch.Tensor:
+        """Per-token entropy ``[rows, width]``: row by row for the padded pass (:class:`ResponseLogits`),
+        torchrl's ``_get_entropy`` for its own distributions."""
+        if isinstance(dist, ResponseLogits):
+            return dist.entropy()
+        return self._get_entropy(dist, adv_shape=adv.shape).squeeze(-1)
 
     @property
     def needs_old_for_mask(self) -> bool:
@@ -175,11 +182,11 @@ class RbpipeGRPOLoss(GRPOLoss):
             acc.mean("kl_approx", (-lw).sum(), n_valid)
             acc.ess("ESS", lw.clamp(-20, 20).exp())
         if cfg.entropy_coef > 0:
-            entropy = self._get_entropy(dist, adv_shape=adv.shape).squeeze(-1)
+            entropy = self._entropy(dist, adv)
             out["loss_entropy"] = -cfg.entropy_coef * aggregate(entropy, loss_mask, cfg.loss_agg_mode, **agg)
-        else:
+        else:  # a metric only: nothing of it is kept for backward
             with torch.no_grad():
-                entropy = self._get_entropy(dist, adv_shape=adv.shape).squeeze(-1)
+                entropy = self._entropy(dist, adv)
         acc.mean("entropy", torch.where(loss_mask, entropy.detach(), 0.0).sum(), n_valid)
         if cfg.kl_coef > 0 and not _has(td, REF_KEY):
             raise LossInputError(f"kl_coef={cfg.kl_coef} needs reference log-probs at {'.'.join(REF_KEY)}: build "

@@ -135,6 +135,7 @@ class RayContext:
     Args:
         entries: ``{process target: worker loop}`` (``collector_entry`` -> ``run_collector``, ...).
         num_cpus: CPUs each worker actor asks for.
+        num_gpus: GPUs each worker actor asks for (``--ray-num-gpus``; 0: none).
         resources: ``{"learner": {...}, "collectors": [{...}, ...]}`` custom resources per worker (collector
             ``i`` takes entry ``i % len``), e.g. ``{"collectors": [{"node_b": 0.01}, {"node_c": 0.01}]}``.
         namespace: where the actors are named (``collector-<id>-<start>``, ``learner-<start>``).
@@ -142,8 +143,9 @@ class RayContext:
     """
 
     def __init__(self, entries: dict, *, num_cpus: float = 1, resources: dict | None = None,
-                 namespace: str | None = None, learner_restarts: int = 0) -> None:
+                 namespace: str | None = None, learner_restarts: int = 0, num_gpus: float = 0) -> None:
         self.entries, self.num_cpus, self.resources = entries, float(num_cpus), resources or {}
+        self.num_gpus = float(num_gpus)
         self.namespace = namespace
         self.learner_restarts = int(learner_restarts)
         self.started: dict[str, int] = {}
@@ -173,6 +175,8 @@ class RayContext:
             # restarts). A collector is replaced by the supervisor instead (a new actor, its lease expired).
             options.update(max_restarts=self.learner_restarts, max_task_retries=-1)
             restart_kwargs = {"restarted": True}
+        if self.num_gpus:
+            options["num_gpus"] = self.num_gpus
         if self.namespace:
             options["namespace"] = self.namespace
         hooks = fault_hooks.forwarded_env()  # Ray's workers do not inherit this process's environment

@@ -199,8 +199,9 @@ class _Interrupted(Exception):
 def check_task_and_model(cfg: RunConfig) -> None:
     """Build the task and load the model (and its tokenizer) once, as every worker will, so that a bad
     ``--task`` or ``--model`` is a one-line error before any process starts or any file is written."""
-    model, _ = cfg.make_model_and_tokenizer()
-    check_task_fits(cfg.make_task(), cfg.task, model, cfg.max_new_tokens)
+    model, tokenizer = cfg.make_model_and_tokenizer()
+    check_task_fits(cfg.make_task(), cfg.task, model, cfg.max_new_tokens, tokenizer=tokenizer,
+                    chat_template=cfg.chat_template, label=cfg.task_label)
 
 
 def resume_hint(run_dir: Path) -> str:
@@ -564,7 +565,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
     balanced = handed_over == session["written"] + dropped + unselected + queued
     summary = {
         "status": status,
-        "produced": produced, "rejected": rejected, "written": written, "dropped": dropped,
+        "produced": produced, "rejected": rejected, "rejected_reasons": final.get("rejected_reasons", {}),
+        "written": written, "dropped": dropped,
         "unselected": unselected, "queued": queued,
         "groups_written": written // cfg.grpo_size, "groups_dropped": groups_dropped,
         "grpo_size": cfg.grpo_size,

@@ -71,7 +71,7 @@ def stop_token_ids(tokenizer: Any = None, model: Any = None) -> tuple[int, ...]:
 
 
 @functools.cache
-def _cache_arg(model_cls: type) -> str:
+def _cache_arg(model_cls: type[torch.nn.Module]) -> str:
     """transformers >= 5 names the KV cache argument ``cache`` (``past_key_values`` warns); older: the latter."""
     return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
@@ -105,13 +105,14 @@ def generate(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts: Se
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     mask = torch.zeros((rows, width), dtype=torch.long)
     row = 0
-    for prompt, n, length in zip(prompts, counts, lengths, strict=True):
-        ids[row:row + n, width - length:] = prompt.reshape(1, -1)
-        mask[row:row + n, width - length:] = 1
+    for prompt, n, size in zip(prompts, counts, lengths, strict=True):
+        ids[row:row + n, width - size:] = prompt.reshape(1, -1)
+        mask[row:row + n, width - size:] = 1
         row += n
     padded = min(lengths) != width
     extra = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)} if padded else {}
-    cache_arg = _cache_arg(type(model))
+    # (torch's stub of Module.__hash__ makes mypy take the class object for unhashable)
+    cache_arg = _cache_arg(type(model))  # type: ignore[arg-type]
     use_cache = sampling.max_new_tokens > 1
     stop_ids = torch.tensor(sampling.stop_ids, dtype=torch.long) if sampling.stop_ids else None
     tail = max((len(s) for s in sampling.stop_strings), default=0) + 8  # tokens decoded per stop-string check

@@ -148,6 +148,7 @@ class Rollouts:
                 for rows, row_texts in zip(responses, texts, strict=True)]
 
     def _call(self, unit: _Unit, response: Any) -> Callable[[], Any]:
-        if self._reward_at is not None:
-            return lambda: self._reward_at(unit.prompt_index, unit.prompt, response)
+        reward_at = self._reward_at
+        if reward_at is not None:
+            return lambda: reward_at(unit.prompt_index, unit.prompt, response)
         return lambda: self.task.reward(unit.prompt, response)

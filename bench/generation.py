@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, help="tokens per response (default 24; the demo model: 16)")
     parser.add_argument("--prompt-len", type=int, help="prompt tokens (default 32; the demo model: 8)")
+    parser.add_argument("--learner-rows", type=int, help="rows per learner step (default: 4 x --batch)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -139,8 +141,9 @@ def main() -> None:
     repeats = 3 if args.quick else 7
     gen = generation(model, tokenizer, batch=args.batch, prompt_len=prompt_len, new_tokens=new_tokens,
                      repeats=repeats, temperature=1.0)
-    learn = learner(model, tokenizer, rows=args.batch * 4, prompt_len=prompt_len, new_tokens=new_tokens,
-                    repeats=repeats)
+    print(f"generation done: {gen}", file=sys.stderr, flush=True)
+    learn = learner(model, tokenizer, rows=args.learner_rows or args.batch * 4, prompt_len=prompt_len,
+                    new_tokens=new_tokens, repeats=repeats)
     peak = matmul_peak(args.threads)
     report = {"model": args.model or "demo", "threads": args.threads, "generation": gen,
               "learner": {**learn, "matmul_peak_flops": peak,

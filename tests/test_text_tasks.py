@@ -171,6 +171,21 @@ def test_rows_stop_at_eos_independently_with_the_log_probs_they_were_sampled_wit
             torch.testing.assert_close(r.log_probs, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_the_batch_ends_when_every_row_has_stopped():
+    model, tokenizer = chat_model(), chat_tokenizer()
+    forwards: list[int] = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:  # half the vocabulary stops a row: every row stops within a few tokens, far below the cap
+        (rows,) = generate(model, [torch.tensor(tokenizer("say 5")["input_ids"])], [8],
+                           Sampling(max_new_tokens=64, stop_ids=tuple(range(0, 48, 2))),
+                           generator=torch.Generator().manual_seed(2))
+    finally:
+        hook.remove()
+    lengths = [r.tokens.numel() for r in rows]
+    assert all(r.finish_reason == STOP for r in rows) and len(set(lengths)) > 1
+    assert len(forwards) == max(lengths) < 64  # one forward per token of the longest row, not to the cap
+
+
 def test_a_stop_string_ends_the_response_at_the_token_that_completes_it():
     model, tokenizer = chat_model(), chat_tokenizer()
     prompt = torch.tensor(tokenizer("say 3")["input_ids"])

@@ -28,6 +28,8 @@ examples:
   rbpipe run --resume runs/20261202-120000-ab12cd
   rbpipe run --task examples/custom_task.py:NextDigitTask --steps 100
   rbpipe run --model path/to/hf_model_dir --task my_tasks.py:MyTask
+  rbpipe run --model DIR --task rbpipe.demo.arithmetic:AdditionTask --max-new-tokens 16
+  rbpipe run --model DIR --prompts data.jsonl --prompt-key question --reward rewards.py:exact_match
   rbpipe serve --run-dir runs/shared --steps 200   # then, from other shells:
   rbpipe collector --connect runs/shared           #   (as many as you like, any time)
   rbpipe learner --connect runs/shared
@@ -102,8 +104,9 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g = p.add_argument_group("task and model")
     g.add_argument("--task", metavar="SPEC",
                    help="task to train on: path/to/file.py:Name or package.module:Name, an object (or a class or "
-                        "factory returning one) with prompt(index) -> 1-D LongTensor of token ids and "
-                        "reward(prompt, response) -> float; None: the built-in rbpipe.demo.task:CopyFirstDigitTask")
+                        "factory returning one) with prompt(index) -> a 1-D LongTensor of token ids, a str or chat "
+                        "messages, and reward(prompt, response) -> float (response: the token ids, or the decoded "
+                        "text for a text prompt); None: the built-in rbpipe.demo.task:CopyFirstDigitTask")
     g.add_argument("--model", type=Path, metavar="PATH",
                    help="local Hugging Face causal-LM directory (save_pretrained output with its tokenizer) that "
                         "collectors sample and the learner trains; never downloads; None: the built-in tiny Qwen2")
@@ -119,7 +122,8 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=1e-3, help="learning rate (0 = a control run that cannot learn)")
     g.add_argument("--temperature", type=float, default=1.0, help="collectors' sampling temperature")
     g.add_argument("--max-new-tokens", type=int, default=1,
-                   help="response length: the generation budget, also the constant seq-mean-token-sum-norm divides by")
+                   help="the cap on a response's length (responses end earlier at EOS or a --stop string), also the "
+                        "constant seq-mean-token-sum-norm divides by")
     g.add_argument("--max-policy-lag", type=int, default=4,
                    help="skip groups sampled by a policy more than this many versions old")
     g.add_argument("--max-lead-groups", type=int,
@@ -137,6 +141,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
                    help="learner steps between checkpoints (RUN_DIR/checkpoint.pt): where --resume and a learner "
                         "actor restarted by Ray continue from")
     g.add_argument("--seed", type=int, default=0)
+    _add_text_options(p)
     g = p.add_argument_group("loss")
     g.add_argument("--loss", choices=["grpo", "dapo", "cispo"], default="grpo", help="policy objective")
     g.add_argument("--loss-agg-mode", default="token-mean",
@@ -180,6 +185,29 @@ def _device_options(args) -> dict:
     return {"device": args.device, "collector_device": args.collector_device, "dtype": args.dtype}
 
 
+def _add_text_options(p: argparse.ArgumentParser) -> None:
+    """Text tasks, prompts from a data file and generation that stops (issue 38)."""
+    g = p.add_argument_group("text tasks and generation")
+    g.add_argument("--prompts", metavar="FILE",
+                   help="prompts from a .jsonl or .parquet data file instead of --task (with --prompt-key, --reward)")
+    g.add_argument("--prompt-key", metavar="COL", help="--prompts: the column holding each row's prompt (a str or "
+                                                       "chat messages [{'role': ..., 'content': ...}])")
+    g.add_argument("--reward", metavar="SPEC",
+                   help="--prompts: reward function (file.py:fn or module:fn), called as fn(prompt, response, **row) "
+                        "with the decoded response and the row's other columns")
+    g.add_argument("--no-chat-template", action="store_true",
+                   help="send text prompts as they are instead of through the tokenizer's chat template")
+    g.add_argument("--stop", action="append", metavar="STR", default=None,
+                   help="end a response once its text contains STR (repeatable); responses always end at the "
+                        "tokenizer's / generation config's EOS token(s), --max-new-tokens being the cap")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (default: all)")
+    g.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling: the smallest set of tokens of "
+                                                            "probability >= P (default: all)")
+    g.add_argument("--reward-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds one reward call may take; a reward that raises or runs past it drops that sample "
+                        "(counted by reason in the summary's rejected_reasons) and the run goes on")
+
+
 def _target(text: str) -> float | None:
     if text.lower() in ("none", "off"):
         return None
@@ -217,6 +245,9 @@ def _add_inspect(sub) -> None:
     p.add_argument("--where", help='DuckDB SQL condition over the groups view, e.g. "list_avg(returns) > 0.5" '
                                    'or "group_id = 3" (rbpipe query --help lists the columns)')
     p.add_argument("--limit", type=int, default=20, help="latest N groups (0 = all)")
+    p.add_argument("--texts", action="store_true",
+                   help="also show each group's texts: the prompt, then every member's reward, finish_reason and "
+                        "response (text tasks store them; token-level tasks show their finish reasons)")
 
 
 QUERY_EXAMPLES = """\
@@ -348,6 +379,8 @@ def run_config(args, given: set[str]):
         min_groups_to_sample=args.min_groups_to_sample,
         micro_batches=args.micro_batches, checkpoint_every=args.checkpoint_every, seed=args.seed, loss=loss,
         logger=args.logger,
+        prompts=args.prompts, prompt_key=args.prompt_key, reward=args.reward, chat_template=not args.no_chat_template,
+        stop=list(args.stop or []), top_k=args.top_k, top_p=args.top_p, reward_timeout=args.reward_timeout,
         **({"task": args.task} if args.task is not None else {}),
         model=str(args.model) if args.model is not None else None,
         **_device_options(args))
@@ -470,7 +503,11 @@ def _inspect(args) -> int:
         print(f"rbpipe inspect: no group {args.group} in {args.store} ({info['groups_committed']} groups "
               "committed; list them with `rbpipe inspect STORE --limit 0`)", file=sys.stderr)
         return 1
+    texts = _group_texts(args.store, info["groups"]) if args.texts else None
     if args.json:
+        if texts is not None:
+            for g in info["groups"]:
+                g["texts"] = texts.get(g["seq"], [])
         print(json.dumps(info, default=str))
         return 0
     print(f"store {info['store']}  backend={info['backend']}  format v{info['format_version']}  "
@@ -482,7 +519,32 @@ def _inspect(args) -> int:
     from rbpipe.inspect_view import format_groups
 
     print(format_groups(info["groups"]))
+    if texts is not None:
+        from rbpipe.inspect_view import format_texts
+
+        for g in info["groups"]:
+            print()
+            print(format_texts(g, texts.get(g["seq"], [])))
     return 0
+
+
+def _group_texts(store: Path, groups: list[dict]) -> dict[int, list[dict]]:
+    """``{seq: [member rows]}`` of ``groups`` from the ``trajectories`` view: the columns of
+    :data:`rbpipe.inspect_view.TEXT_COLUMNS` that the store has."""
+    from rbpipe.inspect_view import TEXT_COLUMNS
+    from rbpipe.query import query
+
+    seqs = sorted({int(g["seq"]) for g in groups})
+    if not seqs:
+        return {}
+    have = set(query(store, "select * from trajectories limit 0").column_names)
+    cols = ", ".join(["seq"] + [c for c in TEXT_COLUMNS if c in have])
+    rows = query(store, f"select {cols} from trajectories where seq in ({', '.join(map(str, seqs))}) "
+                        "order by seq, member").to_pylist()
+    out: dict[int, list[dict]] = {}
+    for row in rows:
+        out.setdefault(int(row["seq"]), []).append(row)
+    return out
 
 
 def _query(args) -> int:

@@ -233,6 +233,14 @@ class CollectorClient(_Attached):
         """Time spent generating (reported with the next hand-over; the service sums it for the summary)."""
         self._unreported_ns["generate_ns"] += int(ns)
 
+    def drop(self, reasons: dict[str, int]) -> None:
+        """Samples generated but never handed over, ``{reason: n}`` (a reward that raised or timed out, a prompt
+        too long): counted as produced and rejected, so the summary's conservation includes them, and summed by
+        reason in its ``rejected_reasons``."""
+        n = sum(int(v) for v in reasons.values())
+        if n:
+            self._call("count", n, n, 0, 0, {str(k): int(v) for k, v in reasons.items()})
+
     def skip(self, prompt: int, n: int = 1) -> None:
         """``n`` samples of the current unit of ``prompt`` that will not be handed over (rejected)."""
         self._call("skip", self.lease, prompt, n)

@@ -54,6 +54,15 @@ class RunConfig:
     target_reward: float | None = 0.9  # stop once the last 10 steps average at least this (None: run all steps)
     loss: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_LOSS))  # LossConfig keyword arguments
     logger: str = "csv"  # torchrl logger of the per-step metrics: csv | tensorboard | wandb | mlflow
+    # text tasks and generation that stops (issue 38): prompts from a data file, chat template, stops, rewards
+    prompts: str | None = None  # .jsonl/.parquet of prompts (instead of --task), with prompt_key and reward
+    prompt_key: str | None = None  # the data file's column holding each row's prompt (a str or chat messages)
+    reward: str | None = None  # the data file's reward spec (file.py:fn or module:fn): fn(prompt, response, **row)
+    chat_template: bool = True  # text prompts go through the tokenizer's chat template when it has one
+    stop: list[str] = field(default_factory=list)  # stop strings, besides the tokenizer's / model's EOS ids
+    top_k: int | None = None
+    top_p: float | None = None
+    reward_timeout: float = 30.0  # seconds one reward call may take; past it the sample is dropped (counted)
     # supervision
     max_restarts: int = 3
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -103,17 +112,69 @@ class RunConfig:
             self.collector_device = check_device("--collector-device", self.collector_device)
         self.dtype = check_dtype(self.dtype)
         self.task = normalize_spec(self.task)
+        self._check_text_options()
         if self.model is not None:
             self.model = str(Path(self.model).expanduser().resolve())  # a --resume from elsewhere finds it
         if self.model is None and self.task == DEFAULT_TASK and self.max_new_tokens + 7 > self.policy.max_positions:
             raise ConfigError(f"--max-new-tokens {self.max_new_tokens} does not fit the model's "
                               f"{self.policy.max_positions} positions")
 
+    def _check_text_options(self) -> None:
+        """``--prompts``/``--prompt-key``/``--reward`` come together, instead of ``--task``; sampling bounds."""
+        if self.prompts is not None:
+            from rbpipe.data_task import SUFFIXES
+
+            path = Path(self.prompts).expanduser().resolve()
+            if path.suffix not in SUFFIXES:
+                raise ConfigError(f"--prompts {self.prompts}: expected a .jsonl or .parquet file")
+            if not path.is_file():
+                raise ConfigError(f"--prompts {self.prompts}: no such file")
+            self.prompts = str(path)
+            if not self.prompt_key:
+                raise ConfigError(f"--prompts {self.prompts} needs --prompt-key COL: the column that holds each "
+                                  "row's prompt (a str or chat messages)")
+            if not self.reward:
+                raise ConfigError(f"--prompts {self.prompts} needs --reward SPEC (file.py:fn or module:fn), called "
+                                  "as fn(prompt, response, **row) with the row's other columns")
+            if self.task != DEFAULT_TASK:
+                raise ConfigError("--prompts and --task both name the prompts: pass one of them")
+            self.reward = normalize_spec(self.reward, "--reward")
+        elif self.prompt_key is not None or self.reward is not None:
+            flag = "--prompt-key" if self.prompt_key is not None else "--reward"
+            raise ConfigError(f"{flag} applies only with --prompts FILE (a task's own reward() scores its responses)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not self.reward_timeout > 0:
+            raise ConfigError(f"--reward-timeout must be > 0 seconds, got {self.reward_timeout}")
+        if any(not s for s in self.stop):
+            raise ConfigError("--stop needs a non-empty string")
+        self.stop = list(self.stop)
+
+    @property
+    def task_label(self) -> str:
+        """How errors name the run's prompts: ``--task SPEC`` or ``--prompts FILE``."""
+        return f"--prompts {self.prompts}" if self.prompts is not None else f"--task {self.task}"
+
     def make_task(self):
-        """The run's task, built from its spec (each process builds its own)."""
+        """The run's task, built from its spec or data file (each process builds its own)."""
+        if self.prompts is not None:
+            from rbpipe.data_task import DataFileTask
+
+            assert self.prompt_key is not None and self.reward is not None  # (checked at construction)
+            return DataFileTask(self.prompts, self.prompt_key, self.reward, seed=self.seed)
         from rbpipe.task_spec import load_task
 
         return load_task(self.task, seed=self.seed)
+
+    def sampling(self, tokenizer=None, model=None):
+        """The collectors' :class:`~rbpipe.generation.Sampling`: the run's temperature, top-k/p and cap, stopping
+        at the tokenizer's and the model's EOS ids and at ``--stop`` strings."""
+        from rbpipe.generation import Sampling, stop_token_ids
+
+        return Sampling(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                        top_p=self.top_p, stop_ids=stop_token_ids(tokenizer, model), stop_strings=tuple(self.stop))
 
     def make_model(self):
         """The policy model every process starts from: ``--model PATH`` or the built-in tiny Qwen2 (float32, on

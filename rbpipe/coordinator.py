@@ -106,6 +106,7 @@ class Coordinator:
         self._counts = {"produced": 0, "rejected": 0, "units": 0, "reissued_samples": 0, "lost_leases": 0,
                         "insert_blocked_ns": 0, "generate_ns": 0, "handover_ns": 0, "largest_handover": 0}
         self._totals = {"produced": 0, "rejected": 0, "dropped_groups": 0}  # earlier sessions of this run
+        self._reasons: dict[str, int] = {}  # rejected samples by reason (prompt_too_long, reward_error...), run-wide
         self._blocked_since: dict[str, int] = {}
         self._learner: dict[str, Any] = {name: 0 for name in LEARNER_FIELDS}
         self._endpoint: dict = {}
@@ -122,6 +123,7 @@ class Coordinator:
         self.next_prompt = int(state.get("next_prompt", 0))
         self._pool = {int(p): int(n) for p, n in state.get("todo", {}).items() if int(n) > 0}
         self._totals.update({k: int(v) for k, v in state.get("totals", {}).items() if k in self._totals})
+        self._reasons = {str(k): int(v) for k, v in state.get("rejected_reasons", {}).items()}
         self._limiter.set_inserted(0, self.next_prompt)
         self._limiter.set_samples(1, self._totals["dropped_groups"])
 
@@ -140,7 +142,7 @@ class Coordinator:
         totals = {"produced": self._totals["produced"] + self._counts["produced"],
                   "rejected": self._totals["rejected"] + self._counts["rejected"],
                   "dropped_groups": self._dropped(fresh)}
-        return {"next_prompt": self.next_prompt, "totals": totals,
+        return {"next_prompt": self.next_prompt, "totals": totals, "rejected_reasons": dict(self._reasons),
                 "todo": {str(p): n for p, n in sorted(todo.items())}}
 
     # -- collectors --------------------------------------------------------------------------------------------
@@ -353,9 +355,13 @@ class Coordinator:
         return dict(self._learner)
 
     # -- counters and progress ---------------------------------------------------------------------------------
-    def count(self, produced: int = 0, rejected: int = 0, generate_ns: int = 0, handover_ns: int = 0) -> None:
-        """Collectors' counts and where their time went (generating; handing over to the buffer)."""
+    def count(self, produced: int = 0, rejected: int = 0, generate_ns: int = 0, handover_ns: int = 0,
+              reasons: dict | None = None) -> None:
+        """Collectors' counts and where their time went (generating; handing over to the buffer); ``reasons``:
+        why samples were rejected (``{reason: n}``, e.g. a reward that raised), summed run-wide."""
         with self._lock:
+            for reason, n in (reasons or {}).items():
+                self._reasons[str(reason)] = self._reasons.get(str(reason), 0) + int(n)
             self._counts["largest_handover"] = max(self._counts["largest_handover"], int(produced))
             self._counts["produced"] += int(produced)
             self._counts["rejected"] += int(rejected)
@@ -379,7 +385,8 @@ class Coordinator:
             blocked = sum(now - t for t in self._blocked_since.values())
             totals = {"produced_total": self._totals["produced"] + self._counts["produced"],
                       "rejected_total": self._totals["rejected"] + self._counts["rejected"]}
-            return {**self._counts, **totals, "insert_blocked_ns": self._counts["insert_blocked_ns"] + blocked,
+            return {**self._counts, **totals, "rejected_reasons": dict(self._reasons),
+                    "insert_blocked_ns": self._counts["insert_blocked_ns"] + blocked,
                     "next_prompt": self.next_prompt,
                     "open_prompts": len({p for p, _ in self._units} | set(self._pool)),
                     "collectors": {self._ids[h]: h[:8] for h in self._live_holders() if h in self._ids},

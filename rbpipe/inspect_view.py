@@ -23,7 +23,9 @@ views:
                 seq, member (position in its group), group_id, and every one-value field of the store:
                 for `rbpipe run` stores advantage, collector_id, next_done, next_reward, policy_version;
                 and per token field its length: tokens_prompt_len, tokens_response_len,
-                log_probs_rollout_len; string fields (torchrl's query, text) as their text
+                log_probs_rollout_len; string fields as their text: finish_reason (stop: ended at EOS
+                or a --stop string; length: cut at --max-new-tokens) and, for text tasks,
+                text_prompt (template applied) and text_response (decoded, special tokens skipped)
   join them on seq: select g.group_id, t.member, t.next_reward from groups g join trajectories t using (seq)
 """
 
@@ -88,3 +90,32 @@ def format_table(names: list[str], rows: list[list[Any]], max_width: int = 60) -
             out.append(line([c[i] if i < len(c) else "" for c in r]))
     out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
     return "\n".join(out)
+
+
+#: what ``rbpipe inspect --texts`` shows of each member, when the store has it
+TEXT_COLUMNS = ("member", "next_reward", "advantage", "finish_reason", "tokens_response_len", "text_prompt",
+                "text_response")
+
+
+def format_texts(group: dict[str, Any], members: list[dict[str, Any]], width: int = 100) -> str:
+    """A group's texts for people: its prompt once (members of a group share it), then each member's reward,
+    finish reason and response, wrapped and indented, line breaks kept visible as ``\\n``."""
+    def block(text: str, indent: str) -> list[str]:
+        return textwrap.wrap(text.replace("\n", "\\n"), width=width, initial_indent=indent, subsequent_indent=indent,
+                             drop_whitespace=False, replace_whitespace=False) or [indent]
+
+    out = [f"group {group.get('group_id')} (seq {group.get('seq')}, {len(members)} members)"]
+    prompt = next((m.get("text_prompt") for m in members if m.get("text_prompt") is not None), None)
+    if prompt is not None:
+        out += ["  prompt:"] + block(prompt, "    ")
+    for m in members:
+        head = [f"member {m.get('member')}"]
+        for name, fmt in (("next_reward", "reward {:g}"), ("advantage", "advantage {:+.2f}"),
+                          ("finish_reason", "finish_reason {}"), ("tokens_response_len", "{} tokens")):
+            if m.get(name) is not None:
+                head.append(fmt.format(m[name]))
+        out.append("  " + ", ".join(head))
+        if m.get("text_response") is not None:
+            out += block(m["text_response"], "    ")
+    return "\n".join(out)
+

@@ -49,6 +49,7 @@ def postfix(record: dict[str, Any] | None, stats: dict[str, Any], traj_per_s: fl
     r = record or {}
     return {"reward": _f(r.get("reward_mean"), "{:.2f}"), "clip": _f(r.get("clip_fraction"), "{:.3f}"),
             "kl": _f(r.get("kl_approx"), "{:.2g}"), "entropy": _f(r.get("entropy"), "{:.2f}"),
+            "truncated": _f(r.get("truncated_fraction"), "{:.0%}"),
             "busy": _f(r.get("learner/busy_fraction"), "{:.0%}"), "lag": _f(r.get("learner/policy_lag"), "{:.1f}"),
             "groups_written": str(stats.get("written_groups", 0)),
             "groups_dropped": str(stats.get("dropped_groups", 0)),

@@ -37,10 +37,11 @@ class Task(Protocol):
     def reward(self, prompt: torch.Tensor, response: torch.Tensor) -> float: ...
 
 
-def _split(spec: str) -> tuple[str, str]:
+def _split(spec: str, option: str = "--task") -> tuple[str, str]:
     where, sep, name = _RENAMED.get(str(spec), str(spec)).rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise ConfigError(f"--task {spec!r} is not a task spec: {_SHAPE} (e.g. {DEFAULT_TASK})")
+        example = DEFAULT_TASK if option == "--task" else "rewards.py:exact_match"
+        raise ConfigError(f"{option} {spec!r} is not a {option[2:]} spec: {_SHAPE} (e.g. {example})")
     return where, name
 
 
@@ -48,18 +49,18 @@ def _is_file(where: str) -> bool:
     return where.endswith(".py") or "/" in where
 
 
-def normalize_spec(spec: str) -> str:
+def normalize_spec(spec: str, option: str = "--task") -> str:
     """The spec with a file path made absolute, so that every process (and a later ``--resume`` from another
     directory) finds the same file. Checks only the spec's shape; :func:`load_task` does the rest."""
-    where, name = _split(spec)
+    where, name = _split(spec, option)
     return f"{Path(where).expanduser().resolve()}:{name}" if _is_file(where) else f"{where}:{name}"
 
 
-def _load_module(spec: str, where: str):
+def _load_module(spec: str, where: str, option: str = "--task"):
     if _is_file(where):
         path = Path(where).expanduser().resolve()
         if not path.is_file():
-            raise ConfigError(f"--task {spec}: no such file {path}; pass an existing .py file ({_SHAPE})")
+            raise ConfigError(f"{option} {spec}: no such file {path}; pass an existing .py file ({_SHAPE})")
         # one module name per file: loading the same file twice in a process reuses it
         mod_name = f"rbpipe_task_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
         if mod_name in sys.modules:
@@ -72,15 +73,29 @@ def _load_module(spec: str, where: str):
             loader_spec.loader.exec_module(module)
         except BaseException as err:
             sys.modules.pop(mod_name, None)
-            raise ConfigError(f"--task {spec}: importing {path} failed: {_one_line(err)}") from err
+            raise ConfigError(f"{option} {spec}: importing {path} failed: {_one_line(err)}") from err
         return module
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:
-        raise ConfigError(f"--task {spec}: no module {where!r} ({_one_line(err)}); install it or pass a file "
+        raise ConfigError(f"{option} {spec}: no module {where!r} ({_one_line(err)}); install it or pass a file "
                           f"path ({_SHAPE})") from err
     except Exception as err:  # noqa: BLE001 - user code: any failure is reported in one line
-        raise ConfigError(f"--task {spec}: importing {where} failed: {_one_line(err)}") from err
+        raise ConfigError(f"{option} {spec}: importing {where} failed: {_one_line(err)}") from err
+
+
+def load_callable(spec: str, option: str = "--reward") -> Any:
+    """The function named by ``spec`` (``file.py:fn`` or ``module:fn``), e.g. a data file's reward.
+
+    Examples:
+        >>> load_callable("math:isclose")(1.0, 1.0)
+        True
+    """
+    where, name = _split(spec, option)
+    target = getattr(_load_module(spec, where, option), name, None)
+    if not callable(target):
+        raise ConfigError(f"{option} {spec}: {where} defines no function {name!r}; check the name after the colon")
+    return target
 
 
 def _one_line(err: BaseException) -> str:
@@ -126,36 +141,55 @@ def load_task(spec: str = DEFAULT_TASK, *, seed: int = 0) -> Task:
     return task
 
 
-def check_prompt(task: Task, spec: str, vocab_size: int | None = None) -> torch.Tensor:
-    """Call ``prompt(0)`` once and check it is a non-empty 1-D integer tensor of ids below ``vocab_size``."""
+def check_prompt(task: Task, spec: str, vocab_size: int | None = None, *, index: int = 0, encoder=None,
+                 label: str | None = None) -> torch.Tensor:
+    """Call ``prompt(index)`` once and check it: a non-empty 1-D integer tensor of ids below ``vocab_size``, or
+    (with ``encoder``, a :class:`rbpipe.chat.PromptEncoder`) a str or chat messages that encode to such ids."""
+    from rbpipe.chat import PROMPT_SHAPES, is_text_prompt
+
+    label = label or f"--task {spec}"
     try:
-        prompt = task.prompt(0)
+        prompt = task.prompt(index)
     except Exception as err:  # noqa: BLE001 - user code
-        raise ConfigError(f"--task {spec}: prompt(0) failed: {_one_line(err)}") from err
+        raise ConfigError(f"{label}: prompt({index}) failed: {_one_line(err)}") from err
+    if encoder is not None and is_text_prompt(prompt):
+        prompt = encoder.encode(prompt).ids
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0 \
             or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
         got = (f"a {prompt.dim()}-D {prompt.dtype} tensor of {prompt.numel()} element(s)"
                if isinstance(prompt, torch.Tensor) else f"a {type(prompt).__name__}")
-        raise ConfigError(f"--task {spec}: prompt(0) returned {got}; it must return a non-empty 1-D LongTensor "
-                          "of token ids (e.g. torch.tensor([2, 5, 3]))")
+        shapes = PROMPT_SHAPES if encoder is not None else "a non-empty 1-D LongTensor of token ids"
+        raise ConfigError(f"{label}: prompt({index}) returned {got}; it must return {shapes} "
+                          "(e.g. torch.tensor([2, 5, 3]))")
     low, high = int(prompt.min()), int(prompt.max())
     if low < 0:
-        raise ConfigError(f"--task {spec}: prompt(0) has the negative token id {low}; token ids start at 0")
+        raise ConfigError(f"{label}: prompt({index}) has the negative token id {low}; token ids start at 0")
     if vocab_size is not None and high >= vocab_size:
-        raise ConfigError(f"--task {spec}: prompt(0) has token id {high}, outside the model's vocabulary of "
+        raise ConfigError(f"{label}: prompt({index}) has token id {high}, outside the model's vocabulary of "
                           f"{vocab_size}; use the model's tokenizer ids, or pass the --model the task was "
                           "written for")
     return prompt
 
 
-def check_task_fits(task: Task, spec: str, model: torch.nn.Module, max_new_tokens: int) -> None:
-    """Before anything starts: the task's first prompt is valid token ids of ``model``, and prompt plus
-    response fit the model's positions (a misfit would otherwise fail inside every worker)."""
+#: how many of a task's first prompts the launcher encodes and measures before anything starts
+PROBE_PROMPTS = 16
+
+
+def check_task_fits(task: Task, spec: str, model: torch.nn.Module, max_new_tokens: int, *, tokenizer: Any = None,
+                    chat_template: bool = True, label: str | None = None, probe: int = PROBE_PROMPTS) -> None:
+    """Before anything starts: the task's first prompts are valid token ids of ``model`` (text prompts encoded
+    with ``tokenizer`` and its chat template), and each plus ``max_new_tokens`` fits the model's positions (a
+    misfit would otherwise fail inside every worker). Later prompts that do not fit are dropped by the
+    collectors, counted as ``prompt_too_long``."""
+    from rbpipe.chat import PromptEncoder
     from rbpipe.demo.policy import max_positions, vocab_size
 
-    prompt = check_prompt(task, spec, vocab_size(model))
+    label = label or f"--task {spec}"
+    encoder = PromptEncoder(tokenizer, chat_template=chat_template, task_name=label) if tokenizer is not None else None
     positions = max_positions(model)
-    if positions is not None and prompt.numel() + max_new_tokens > positions:
-        raise ConfigError(f"--task {spec}: prompt(0) has {prompt.numel()} tokens, plus --max-new-tokens "
-                          f"{max_new_tokens} that exceeds the model's {positions} positions; shorten the "
-                          "prompts or --max-new-tokens")
+    for index in range(max(1, probe)):
+        prompt = check_prompt(task, spec, vocab_size(model), index=index, encoder=encoder, label=label)
+        if positions is not None and prompt.numel() + max_new_tokens > positions:
+            raise ConfigError(f"{label}: prompt({index}) has {prompt.numel()} tokens, plus --max-new-tokens "
+                              f"{max_new_tokens} that exceeds the model's {positions} positions; shorten the "
+                              "prompts or --max-new-tokens")

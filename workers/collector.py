@@ -9,6 +9,7 @@ processes and only the shared grouping transform can complete the group. The sam
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import zlib
 from collections import Counter
@@ -17,11 +18,12 @@ from pathlib import Path
 import torch
 
 from rbpipe.clients import CollectorClient
-from rbpipe.demo.policy import sample_batch
+from rbpipe.demo.policy import max_positions
 from rbpipe.errors import BadTrajectoryError
 from rbpipe.memory import PeakMemory
 from rbpipe.procs import run_worker, settle_heap
-from rbpipe.schema import make_trajectory
+from rbpipe.rollout import Rollouts
+from rbpipe.schema import FINISH_REASON_KEY
 
 #: How long one ask waits for prompts to open while the rate limit holds them back (the service answers as soon
 #: as the learner moves the band; the collector checks for a stop request in between).
@@ -36,12 +38,18 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
     client = CollectorClient(target, authkey_file=authkey_file, collector_id=collector_id, task=task, model=model)
     try:
         cfg = client.config
-        # --model PATH or the built-in one, on its device in --dtype; the learner's weights replace its own
-        policy = cfg.collector_model()
+        # --model PATH or the built-in one, on its device in --dtype (the learner's weights replace its own), with
+        # its tokenizer: text prompts go through its chat template, responses stop at its EOS ids and are decoded
+        policy, tokenizer = cfg.collector_model_and_tokenizer()
         version = client.load_weights(policy)
-        task_obj = cfg.make_task()  # built here from the spec: prompt(i) is the same in every process
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + client.collector_id * 104_729
                                             + zlib.crc32(client.lease.encode()))  # a restart samples anew
+        rollouts = Rollouts(cfg.make_task(),  # built here from the spec: prompt(i) is the same in every process
+                            tokenizer, cfg.sampling(tokenizer, policy), chat_template=cfg.chat_template,
+                            max_positions=max_positions(policy), reward_timeout_s=cfg.reward_timeout,
+                            task_label=cfg.task_label, generator=gen,
+                            log=lambda line: _warn(f"[collector {client.collector_id}] {line}"),
+                            record_finish_reason=_store_takes(client.storage, FINISH_REASON_KEY))
         if announce:
             log(f"[collector {client.collector_id}] attached to {client.run_dir}")
         settle_heap()
@@ -54,27 +62,41 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
                 continue
             if client.weights_version != version:
                 version = client.load_weights(policy)
-            prompts = [task_obj.prompt(unit["prompt"]) for unit in units]
             started = time.perf_counter_ns()
-            samples = sample_batch(policy, prompts, [unit["samples"] for unit in units],
-                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, generator=gen)
+            batch = rollouts.run(policy, units, collector_id=client.collector_id, policy_version=version)
             client.add_generate_time(time.perf_counter_ns() - started)
             memory.update()
-            trajs = [make_trajectory(group_id=unit["prompt"], prompt=prompt, response=response, rollout_log_probs=lp,
-                                     reward=float(task_obj.reward(prompt, response)),
-                                     collector_id=client.collector_id, policy_version=version)
-                     for unit, prompt, (tokens, log_probs) in zip(units, prompts, samples, strict=True)
-                     for response, lp in zip(tokens, log_probs, strict=True)]
+            if batch.dropped:  # not handed over: counted as produced and rejected, by reason (conservation)
+                client.drop(dict(batch.dropped))
+            for prompt, n in batch.given_up.items():
+                client.skip(prompt, n)
+            trajs = batch.trajectories
+            if not trajs:
+                continue
             try:
                 client.extend(trajs)  # every unit in one hand-over
             except BadTrajectoryError as err:  # rejected before touching shared state: counted, not lost
                 log(f"[collector {client.collector_id}] rejected: {err}")
-                prompt_of = [unit["prompt"] for unit in units for _ in range(unit["samples"])]
+                prompt_of = [int(t.get("group_id")[0]) for t in trajs]
                 bad = getattr(err, "rejected_indices", None)  # None: none of the call was handed over
                 for prompt, n in Counter(prompt_of if bad is None else [prompt_of[i] for i in bad]).items():
                     client.skip(prompt, n)
     finally:
         client.close()
+
+
+def _warn(line: str) -> None:
+    """Warnings go to stderr: under ``rbpipe run --json`` stdout carries the summary alone (the workers' fork
+    server keeps the terminal's stdout)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _store_takes(storage, key) -> bool:
+    """Whether trajectories may carry ``key``: a store keeps the keys of its first group, so one written before
+    trajectories carried ``finish_reason`` (an older run, resumed) must not get it."""
+    schema = getattr(storage, "schema", None)
+    key = (key,) if isinstance(key, str) else tuple(key)
+    return schema is None or key in schema.by_key
 
 
 def collector_entry(target: str, collector_id: int) -> None:

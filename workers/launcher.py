@@ -213,8 +213,9 @@ def check_task_and_model(cfg: RunConfig, *, local_devices: bool = True) -> None:
     before any process starts or any file is written."""
     if local_devices:
         cfg.check_devices()
-    model, _ = cfg.make_model_and_tokenizer()
-    check_task_fits(cfg.make_task(), cfg.task, model, cfg.max_new_tokens)
+    model, tokenizer = cfg.make_model_and_tokenizer()
+    check_task_fits(cfg.make_task(), cfg.task, model, cfg.max_new_tokens, tokenizer=tokenizer,
+                    chat_template=cfg.chat_template, label=cfg.task_label)
 
 
 def resume_hint(run_dir: Path) -> str:
@@ -611,7 +612,8 @@ def _summarize(cfg: RunConfig, run_dir: Path, store: Path, storage, final: dict,
     balanced = handed_over == session["written"] + dropped + unselected + queued
     summary = {
         "status": status,
-        "produced": produced, "rejected": rejected, "written": written, "dropped": dropped,
+        "produced": produced, "rejected": rejected, "rejected_reasons": final.get("rejected_reasons", {}),
+        "written": written, "dropped": dropped,
         "unselected": unselected, "queued": queued,
         "groups_written": written // cfg.grpo_size, "groups_dropped": groups_dropped,
         "grpo_size": cfg.grpo_size,

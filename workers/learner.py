@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ from rbpipe.sampling import FreshGroupSampler
 from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.step_stop import StepAbandoned, StepStop
 from rbpipe.storage import collate_identity
+from rbpipe.truncation import truncated_fraction, warn_truncated
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -88,6 +90,11 @@ def run_learner(target: str | Path, *, authkey_file: str | None = None, model: s
         client.close()
 
 
+def warn(line: str) -> None:
+    """To stderr: under ``rbpipe run --json`` stdout carries the summary alone."""
+    print(f"[learner] {line}", file=sys.stderr, flush=True)
+
+
 def _train(client: LearnerClient) -> None:
     cfg, run_dir, storage, limiter = client.config, client.run_dir, client.storage, client.limiter
     # --model PATH or the built-in one, on --device with float32 master weights (the forward autocasts to --dtype)
@@ -127,6 +134,7 @@ def _train(client: LearnerClient) -> None:
     t0 = time.time()
     recent: list[float] = []
     saved = step
+    warned = False
 
     def checkpoint() -> None:  # written beside the next steps (a copy: training goes on updating in place)
         nonlocal saved
@@ -184,9 +192,12 @@ def _train(client: LearnerClient) -> None:
                 busy_fraction = (trained_at - busy_start) / max(now - last_end, 1e-9)
                 last_end = now
                 reward = rows.get(REWARD_KEY).float()
+                truncated = truncated_fraction(rows)
+                warned = warn_truncated(truncated, cfg.max_new_tokens, warned, warn)
                 record: dict[str, Any]
                 record = {"step": step, "time_s": round(time.time() - t0, 4),
-                          "reward_mean": float(reward.mean()), "groups": int(info["group_seq"].numel()),
+                          "reward_mean": float(reward.mean()), "truncated_fraction": truncated,
+                          "groups": int(info["group_seq"].numel()),
                           "groups_consumed": sampler.consumed_groups, "trained_groups": None,  # None: see _Reports
                           "stale_groups": sampler.stale_groups,
                           "learner/micro_batches": micro_batches,

@@ -8,8 +8,6 @@ log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which 
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -138,14 +136,6 @@ def build_learner_actor(model: torch.nn.Module, tokenizer: Any = None):
                                input_mode="tokens", generate=False, return_log_probs=True, pad_output=False)
 
 
-@torch.no_grad()
-@functools.cache
-def _cache_arg(model_cls: type[torch.nn.Module]) -> str:
-    """transformers >= 5.x names the KV cache argument ``cache`` (``past_key_values`` warns); older: the latter.
-    Looked up once per model class, not once per prompt."""
-    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
-
-
 def sample_responses(model: torch.nn.Module, prompt: torch.Tensor, num_samples: int, *,
                      max_new_tokens: int = 3, temperature: float = 1.0,
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,39 +156,14 @@ def sample_batch(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts
     ``prompts[i]``, returned as one ``(tokens, log_probs)`` pair per prompt.
 
     A tiny model's forward costs about the same for 4 rows as for 32, so a collector that generates several
-    work units at once pays for one. Prompts of different lengths are left-padded and masked, with positions
-    counted from each prompt's first token, so every row sees exactly what it would see alone.
+    work units at once pays for one. Every response is ``max_new_tokens`` long (no stop token); responses that
+    stop at EOS or a stop string come from :func:`rbpipe.generation.generate`, which this calls.
     """
-    lengths = [int(p.numel()) for p in prompts]
-    width, rows = max(lengths), sum(counts)
-    ids = torch.full((rows, width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    row = 0
-    for prompt, n, length in zip(prompts, counts, lengths, strict=True):
-        ids[row:row + n, width - length:] = prompt.reshape(1, -1)
-        mask[row:row + n, width - length:] = 1
-        row += n
-    padded = min(lengths) != width
-    extra = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)} if padded else {}
-    tokens, log_probs, past = [], [], None
-    step_input = ids
-    # (torch's stub of Module.__hash__ makes mypy take the class object for unhashable)
-    cache_arg = _cache_arg(type(model))  # type: ignore[arg-type]
-    use_cache = max_new_tokens > 1
-    for _ in range(max_new_tokens):
-        out = model(input_ids=step_input, use_cache=use_cache, **({cache_arg: past} if use_cache else {}), **extra)
-        past = getattr(out, cache_arg) if use_cache else None
-        logits = out.logits[:, -1, :].float() / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        nxt = torch.multinomial(logp.exp(), 1, generator=generator)
-        tokens.append(nxt)
-        log_probs.append(logp.gather(-1, nxt))
-        step_input = nxt
-        if padded:
-            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
-            extra = {"attention_mask": mask, "position_ids": extra["position_ids"][:, -1:] + 1}
-    all_tokens, all_log_probs = torch.cat(tokens, -1), torch.cat(log_probs, -1)
-    return list(zip(all_tokens.split(list(counts)), all_log_probs.split(list(counts)), strict=True))
+    from rbpipe.generation import Sampling, generate
+
+    out = generate(model, prompts, counts, Sampling(max_new_tokens=max_new_tokens, temperature=temperature),
+                   pad_id=PAD_ID, generator=generator)
+    return [(torch.stack([r.tokens for r in rows]), torch.stack([r.log_probs for r in rows])) for rows in out]
 
 
 def flat_parameters(model: torch.nn.Module) -> torch.Tensor:

@@ -34,17 +34,17 @@ def main() -> int:
     from selenium.webdriver.support.ui import WebDriverWait
 
     with tempfile.TemporaryDirectory(prefix="rbpipe-shot-") as tmp:
-        run = args.run_dir
-        if run is None:
-            run = Path(tmp) / "run"
+        run, cwd = args.run_dir, None
+        if run is None:  # in a scratch folder, so that the page names the store as a user's would: runs/demo/store
+            run, cwd = Path("runs/demo"), tmp
             subprocess.run(CLI + ["run", "--run-dir", str(run), "--steps", str(args.steps), "--no-progress"],
-                           check=True, stdout=subprocess.DEVNULL)
-        proc = subprocess.Popen(CLI + ["view", str(run), "--port", "0"], stdout=subprocess.PIPE, text=True)
+                           check=True, stdout=subprocess.DEVNULL, cwd=cwd)
+        proc = subprocess.Popen(CLI + ["view", str(run), "--port", "0"], stdout=subprocess.PIPE, text=True, cwd=cwd)
         try:
             url = re.search(r"at (http://\S+/)", proc.stdout.readline()).group(1)  # type: ignore[union-attr]
             opts = Options()
             opts.binary_location = "/usr/bin/chromium"
-            for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,860",
+            for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900",
                       f"--user-data-dir={tmp}/profile", "--hide-scrollbars"):
                 opts.add_argument(a)
             driver = webdriver.Chrome(service=Service(executable_path="/usr/bin/chromedriver"), options=opts)

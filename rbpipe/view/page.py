@@ -17,7 +17,7 @@ from typing import Any
 
 def asset(name: str) -> str:
     """A file of ``rbpipe/view/static/`` (installed as package data in editable and normal installs)."""
-    return resources.files("rbpipe.view").joinpath("static", name).read_text(encoding="utf-8")
+    return resources.files("rbpipe.view").joinpath("static").joinpath(name).read_text(encoding="utf-8")
 
 
 def plotly_js() -> str:

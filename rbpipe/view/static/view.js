@@ -71,7 +71,7 @@
       cell(tr, fmt(r.group_id), "num");
       cell(tr, r.prompt_kind === "evicted" ? "(evicted)" : r.prompt, "prompt", r.prompt);
       cell(tr, versions(r), "num");
-      cell(tr, fmt(r.mean_reward), "num");
+      cell(tr, r.mean_reward === null ? "null" : r.mean_reward.toFixed(4), "num");
       cell(tr, fmt(r.members), "num");
       cell(tr, r.live ? "no" : "evicted");
       tr.addEventListener("click", () => openGroup(r.seq));
@@ -115,6 +115,11 @@
         xaxis: axis === "y" ? "x" : "x2", marker: { color: color }, line: { color: color },
         hovertemplate: "version %{x}<br>" + name + " median %{median:.3f}<extra></extra>",
       });
+      traces.push({  // the mean as a line: with 0/1 rewards the boxes collapse onto 0 or 1
+        type: "scatter", mode: "lines+markers", name: name + " mean", x: p.v, y: p[k + "_mean"], yaxis: axis,
+        xaxis: axis === "y" ? "x" : "x2", line: { color: "#444", width: 1 }, marker: { size: 4, color: "#444" },
+        hovertemplate: "version %{x}<br>" + name + " mean %{y:.3f}<extra></extra>",
+      });
     }
     const n = (p.n || []).reduce((a, b) => a + b, 0);
     const layout = {
@@ -139,7 +144,7 @@
       const g = doc.group;
       sec.dataset.groupId = g.group_id === null ? "" : String(g.group_id);
       $("group-title").textContent = "group " + fmt(g.group_id) + " (seq " + g.seq + ", " + g.members +
-        " members, mean reward " + fmt(g.mean_reward) + (g.live ? "" : ", evicted") + ")";
+        " members, mean reward " + (g.mean_reward === null ? "null" : g.mean_reward.toFixed(4)) + (g.live ? "" : ", evicted") + ")";
       $("group-prompt").textContent = (g.prompt_kind === "tokens" ? "prompt token ids: " : "prompt: ") + g.prompt;
       const head = document.createElement("tr");
       for (const c of doc.columns) {

@@ -100,12 +100,15 @@ def test_text_groups_show_their_text(tmp_path, backend):
 
 
 def test_the_view_follows_a_writer(tmp_path):
+    """New groups, an eviction and a compaction reach the viewer's ``groups`` view exactly as ``rbpipe query``
+    rebuilds it from the whole log, and a page opened earlier stays put."""
     from view_helpers import token_group
 
+    from rbpipe.query import groups_table
     from rbpipe.schema import RAGGED_KEYS
     from rbpipe.storage import ArrowStorage
 
-    store = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS)
+    store = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS, max_size=40)  # retention: 10 groups
     try:
         store.append_group(token_group(0))
         view = StoreView(tmp_path / "store")
@@ -116,7 +119,16 @@ def test_the_view_follows_a_writer(tmp_path):
         again = view.page(None, upto=page["upto"])  # the reader's page stays put and counts what is newer
         assert again["total"] == 1 and again["newer"] == 2
         assert [r["group_id"] for r in view.page(None)["rows"]] == [2, 1, 0]
-        assert view.group(2)["members"][0]["member"] == 0
+        assert view.group(view.page(None)["rows"][0]["seq"])["members"][3]["member"] == 3
+        for gid in range(3, 14):
+            store.append_group(token_group(gid))
+            assert view.table().equals(groups_table(tmp_path / "store")), gid
+        rows = view.page(None, 0, 1000)["rows"]
+        assert [r["live"] for r in rows] == [True] * 10 + [False] * 4
+        assert [r["prompt_kind"] for r in rows[-4:]] == ["evicted"] * 4
+        store.compact()
+        assert view.table().equals(groups_table(tmp_path / "store"))
+        assert view.group(rows[0]["seq"])["members"][0]["next_reward"] == pytest.approx(13 / 4)
     finally:
         store.close()
 
@@ -192,3 +204,23 @@ def test_server_answers_the_page_and_its_endpoints(tokens_store):
         proc.wait(timeout=60)
     assert proc.returncode == 0, proc.stderr.read()
     assert listing(tokens_store) == before
+
+
+def test_every_page_asset_is_package_data():
+    """A normal (non-editable) install carries only the files pyproject.toml names: the page, its script and
+    its style must all match its package-data patterns (an editable install would hide a missing one)."""
+    from fnmatch import fnmatch
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pip vendors the same parser
+        from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
+
+    root = Path(__file__).resolve().parents[1]
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = conf["package-data"]["rbpipe.view"]
+    package = root / "rbpipe" / "view"
+    assets = [p.relative_to(package).as_posix() for p in (package / "static").iterdir()]
+    assert {"static/page.html", "static/view.js", "static/view.css"} <= set(assets)
+    assert [a for a in assets if not any(fnmatch(a, p) for p in patterns)] == []
+    assert "rbpipe.view" in conf["packages"]

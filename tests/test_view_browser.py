@@ -227,3 +227,29 @@ def test_html_file_shows_the_same_without_a_server(first_run, browser, tmp_path)
         assert browser.execute_script("return performance.getEntriesByType('resource').length") == 0
         assert browser.find_element(By.ID, "filter").get_attribute("value") == (where or "")
     assert listing(store) == before
+
+
+@pytest.mark.timeout(300)
+def test_text_groups_show_their_text_in_the_page(browser, tmp_path):
+    """A store with text columns (``text_prompt``, ``text_response``, ``finish_reason``): the page shows the text,
+    newlines and markup included as written (never interpreted as HTML)."""
+    from view_helpers import make_store
+
+    store = make_store(tmp_path / "store", 3, kind="text")
+    out = tmp_path / "text.html"
+    done = subprocess.run(CLI + ["view", str(store), "--html", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    browser.get(out.as_uri())
+    _ready(browser)
+    rows = _table(browser)
+    assert [r["cells"][2] for r in rows] == [f"What is {g} + {g}? <b>&" for g in (2, 1, 0)]
+    browser.find_element(By.CSS_SELECTOR, "#groups tbody tr").click()
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#members tbody tr")) == 3, "the members")
+    head = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#members thead th")]
+    assert head[:2] == ["member", "text_response"] and "finish_reason" in head
+    cells = browser.execute_script("return Array.from(document.querySelectorAll('#members tbody tr'))"
+                                   ".map(tr => Array.from(tr.cells).map(td => td.textContent))")
+    assert [c[1] for c in cells] == [f"answer {i}: {4 + i}\nbye" for i in range(3)]
+    assert [c[head.index("finish_reason")] for c in cells] == ["stop", "length", "stop"]
+    assert browser.find_element(By.ID, "group-prompt").text == "prompt: What is 2 + 2? <b>&"

@@ -179,7 +179,19 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, tokens_store):
         port = taken.getsockname()[1]
         assert f"port {port} on 127.0.0.1 is in use" in _one_line_error(["view", str(tokens_store), "--port",
                                                                           str(port)])
+    assert "not an address of this machine" in _one_line_error(["view", str(tokens_store), "--host", "203.0.113.7"])
     assert listing(tokens_store) == before and sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_bad_flags_are_one_line(tokens_store, tmp_path, capsys):
+    for args, words in ((["--port", "70000"], "--port must be in 0..65535"),
+                        (["--html", str(tmp_path / "x.html"), "--limit", "-1"], "--limit must be >= 0"),
+                        (["--html", str(tmp_path / "no" / "x.html")], "does not exist"),
+                        (["--html", str(tmp_path)], "is a directory")):
+        assert main(["view", str(tokens_store), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("rbpipe view: error: ") and words in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.timeout(240)

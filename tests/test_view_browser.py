@@ -253,3 +253,31 @@ def test_text_groups_show_their_text_in_the_page(browser, tmp_path):
     assert [c[1] for c in cells] == [f"answer {i}: {4 + i}\nbye" for i in range(3)]
     assert [c[head.index("finish_reason")] for c in cells] == ["stop", "length", "stop"]
     assert browser.find_element(By.ID, "group-prompt").text == "prompt: What is 2 + 2? <b>&"
+
+
+@pytest.mark.timeout(300)
+def test_pages_of_a_larger_store_live_and_in_the_file(browser, tmp_path):
+    """150 groups: the page shows 100, "Older" the other 50 (server-side paging live, client-side in the file)."""
+    from view_helpers import make_store
+
+    store = make_store(tmp_path / "store", 150)
+    out = tmp_path / "pages.html"
+    assert subprocess.run(CLI + ["view", str(store), "--html", str(out)], capture_output=True,
+                          timeout=120).returncode == 0
+    want = [r["seq"] for r in _rbpipe_query(store, "select seq from groups order by seq desc")]
+    proc = subprocess.Popen(CLI + ["view", str(store), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r"at (http://127\.0\.0\.1:\d+/)", proc.stdout.readline()).group(1)
+        for page in (url, out.as_uri()):
+            browser.get(page)
+            _ready(browser)
+            _wait(browser, lambda d: [int(r["seq"]) for r in _table(d)] == want[:100], "the first 100 groups")
+            assert browser.find_element(By.ID, "total").text == "150"
+            browser.find_element(By.ID, "next").click()
+            _wait(browser, lambda d: [int(r["seq"]) for r in _table(d)] == want[100:], "the other 50")
+            assert browser.find_element(By.ID, "next").get_attribute("disabled") is not None
+            browser.find_element(By.ID, "prev").click()
+            _wait(browser, lambda d: [int(r["seq"]) for r in _table(d)] == want[:100], "back to the first page")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

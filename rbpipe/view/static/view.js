@@ -228,9 +228,13 @@
   function wire() {
     $("filter-form").addEventListener("submit", (e) => { e.preventDefault(); apply($("filter").value.trim()); });
     $("clear").addEventListener("click", () => { $("filter").value = ""; apply(""); });
-    $("next").addEventListener("click", () => { view.offset += PAGE; loadGroups(false); });
-    $("prev").addEventListener("click", () => { view.offset = Math.max(0, view.offset - PAGE); loadGroups(false); });
-    $("newest").addEventListener("click", () => { view.offset = 0; view.upto = -1; loadGroups(true); });
+    const shown = (promise) => promise.catch((err) => showError(err.message || err));
+    $("next").addEventListener("click", () => { view.offset += PAGE; shown(loadGroups(false)); });
+    $("prev").addEventListener("click", () => {
+      view.offset = Math.max(0, view.offset - PAGE);
+      shown(loadGroups(false));
+    });
+    $("newest").addEventListener("click", () => { view.offset = 0; view.upto = -1; shown(loadGroups(true)); });
     if (SNAPSHOT) {
       $("filter").value = SNAPSHOT.page.where || "";
       $("filter").disabled = $("apply").disabled = $("clear").disabled = true;

@@ -12,6 +12,7 @@ the JSON bytes a page sends the browser. Nothing is asserted.
 
     python bench/view.py              # 100,000 groups (the store takes ~5 min to write on 2 cores)
     python bench/view.py --quick --json
+    python bench/view.py --store runs/<run>/store   # an existing store
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _store(path: Path, groups: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, help="groups in the store (default 100,000; 10,000 with --quick)")
+    ap.add_argument("--store", type=Path, help="measure this existing store instead (read only, nothing written)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
@@ -66,8 +68,12 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="rbpipe-bench-view-"))
     try:
-        store = tmp / "store"
-        write_s = _store(store, n)
+        if args.store is not None:
+            store, write_s = args.store, 0.0
+            n = query(store, "select count(*) as n from groups").column("n")[0].as_py()
+        else:
+            store = tmp / "store"
+            write_s = _store(store, n)
         cond = "list_avg(returns) > 0.5"
         head = "select seq, group_id, members, live, list_avg(returns) as r from groups"
         last_offset = (n - 1) // 100 * 100

@@ -102,8 +102,9 @@ def served(first_run):
         proc.terminate()
         try:
             proc.wait(timeout=60)
-        finally:
-            proc.kill() if proc.poll() is None else None
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, proc.stderr.read()
 
 
@@ -280,4 +281,9 @@ def test_pages_of_a_larger_store_live_and_in_the_file(browser, tmp_path):
             _wait(browser, lambda d: [int(r["seq"]) for r in _table(d)] == want[:100], "back to the first page")
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

@@ -563,6 +563,8 @@ def _view(args) -> int:
         try:
             server.serve_forever(poll_interval=0.2)
         except KeyboardInterrupt:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C or kill while closing changes nothing
+                signal.signal(sig, signal.SIG_IGN)
             print("rbpipe view: stopped", flush=True)
         finally:
             server.server_close()

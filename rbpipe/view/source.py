@@ -274,7 +274,10 @@ class StoreView:
         if not live:
             return "", "evicted"
         if seq not in self._prompts:
-            members = self._members(seq)
+            try:
+                members = self._members(seq)
+            except (StoreError, OSError, pa.ArrowException):  # evicted since the table was read: the next poll says
+                return "", "evicted"
             first = members[0] if members else {}
             for key, kind in (("text_prompt", "text"), ("query", "text"), ("tokens_prompt", "tokens")):
                 if first.get(key) is not None:

@@ -58,11 +58,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, help="groups in the store (default 100,000; 10,000 with --quick)")
     ap.add_argument("--store", type=Path, help="measure this existing store instead (read only, nothing written)")
+    ap.add_argument("--reps", type=int, help="calls per op and side (default 5; 3 with --quick)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     n = args.groups or (10_000 if args.quick else 100_000)
-    reps = 3 if args.quick else 5
+    reps = args.reps or (3 if args.quick else 5)
     from rbpipe.query import query
     from rbpipe.view.source import StoreView
 

@@ -38,6 +38,8 @@ examples:
   rbpipe query STORE "select policy_version, avg(next_reward) from trajectories group by 1 order by 1"
   rbpipe stress --writers 4 --trajectories 4000 --kill-rate 0.001
   rbpipe export STORE --zarr archive.zarr
+  rbpipe view runs/<run>                      # the stored groups in the browser, live: http://127.0.0.1:8765/
+  rbpipe view runs/<run> --html rollouts.html # the same page as one self-contained file
 """
 
 
@@ -304,6 +306,29 @@ def _add_export(sub) -> None:
                    help="output Zarr store directory (must not exist yet)")
 
 
+VIEW_PORT = 8765
+
+
+def _add_view(sub) -> None:
+    p = sub.add_parser("view", help="see a store's groups in the browser, live while a run writes, or as one HTML file",
+                       description="Serve a local web page of a store's groups (group id, prompt, policy version, "
+                                   "mean reward, size), each opened to its members, with SQL filters over the "
+                                   "views of `rbpipe query` and a plot of reward and advantage per policy version. "
+                                   "It refreshes while a run writes and never takes the writer lock. With --html, "
+                                   "write the same page as one self-contained file (no server, no network).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("path", type=Path, metavar="PATH", help="a store (runs/<run>/store) or a run directory (runs/<run>)")
+    p.add_argument("--port", type=int, default=VIEW_PORT, help="port to listen on (0: a free one; the URL is printed)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; the loopback default shows the page to this machine only")
+    p.add_argument("--html", type=Path, metavar="OUT.html",
+                   help="write the page with its data to this file instead of serving it")
+    p.add_argument("--where", metavar="CONDITION",
+                   help="filter: a DuckDB condition over the groups view, e.g. \"list_avg(returns) > 0.5\" (the "
+                        "live page starts with it; the --html file holds only the groups it selects)")
+    p.add_argument("--limit", type=int, help="--html: the newest N groups (default 10000; 0 = all)")
+
+
 class RbpipeParser(argparse.ArgumentParser):
     """The top-level parser; keeps its ``run`` and ``serve`` subparsers (``explicit_options`` reads them)."""
 
@@ -323,6 +348,7 @@ def build_parser() -> RbpipeParser:
     _add_query(sub)
     _add_stress(sub)
     _add_export(sub)
+    _add_view(sub)
     return parser
 
 
@@ -587,6 +613,51 @@ def _export(args) -> int:
     return 0
 
 
+def _view(args) -> int:
+    """``rbpipe view``: everything is checked (store, filter, output or port) before the page is served or
+    the file written; nothing is ever written to the store."""
+    import signal
+    from urllib.parse import quote
+
+    from rbpipe.view.html import DEFAULT_LIMIT, check_output, write_html
+    from rbpipe.view.source import StoreView, resolve_store
+
+    if args.html is None and args.limit is not None:
+        raise ConfigError("--limit applies only with --html (the live page is paged): drop it or add --html OUT.html")
+    if args.limit is not None and args.limit < 0:
+        raise ConfigError(f"--limit must be >= 0 (0 = all groups), got {args.limit}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535 (0 picks a free port), got {args.port}")
+    store, run_dir = resolve_store(args.path)
+    if args.html is not None:
+        check_output(args.html, store)
+    view = StoreView(store, run_dir)
+    try:
+        view.page(args.where, 0, 1)  # a filter that does not parse is refused here, in one line
+        if args.html is not None:
+            done = write_html(view, args.html, args.where, DEFAULT_LIMIT if args.limit is None else args.limit)
+            print(f"rbpipe view: wrote {done['path']} ({done['groups']} of {done['total']} groups, "
+                  f"{done['bytes'] / 1e6:.1f} MB); open it in a browser, no server needed")
+            return 0
+        from rbpipe.view.server import ViewServer
+
+        server = ViewServer((args.host, args.port), view)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        url = server.url + (f"?where={quote(args.where)}" if args.where else "")
+        print(f"rbpipe view: serving {store} at {url} (Ctrl-C stops)", flush=True)
+        try:
+            server.serve_forever(poll_interval=0.2)
+        except KeyboardInterrupt:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C or kill while closing changes nothing
+                signal.signal(sig, signal.SIG_IGN)
+            print("rbpipe view: stopped", flush=True)
+        finally:
+            server.server_close()
+        return 0
+    finally:
+        view.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     as_program = argv is None  # the `rbpipe` command itself (a caller passing argv keeps its own signal handlers)
     parser = build_parser()
@@ -594,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"inspect": _inspect, "query": _query, "stress": _stress, "export": _export,
+    handlers = {"inspect": _inspect, "query": _query, "stress": _stress, "export": _export, "view": _view,
                 "collector": _worker, "learner": _worker}
     try:
         if args.command in ("run", "serve"):

@@ -102,8 +102,9 @@ def generate(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts: Se
         raise ValueError("stop strings need the tokenizer that decodes the responses")
     lengths = [int(p.numel()) for p in prompts]
     width, rows = max(lengths), sum(counts)
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
+    device = next(model.parameters()).device  # --collector-device: the batch lives where the model does
+    ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((rows, width), dtype=torch.long, device=device)
     row = 0
     for prompt, n, size in zip(prompts, counts, lengths, strict=True):
         ids[row:row + n, width - size:] = prompt.reshape(1, -1)
@@ -114,10 +115,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts: Se
     # (torch's stub of Module.__hash__ makes mypy take the class object for unhashable)
     cache_arg = _cache_arg(type(model))  # type: ignore[arg-type]
     use_cache = sampling.max_new_tokens > 1
-    stop_ids = torch.tensor(sampling.stop_ids, dtype=torch.long) if sampling.stop_ids else None
+    stop_ids = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device) if sampling.stop_ids else None
     tail = max((len(s) for s in sampling.stop_strings), default=0) + 8  # tokens decoded per stop-string check
-    done = torch.zeros(rows, dtype=torch.bool)
-    length = torch.zeros(rows, dtype=torch.long)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    length = torch.zeros(rows, dtype=torch.long, device=device)
     tokens: list[torch.Tensor] = []
     log_probs: list[torch.Tensor] = []
     past, step_input = None, ids
@@ -139,9 +140,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts: Se
                 break
         step_input = nxt
         if padded:
-            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
             extra = {"attention_mask": mask, "position_ids": extra["position_ids"][:, -1:] + 1}
-    all_tokens, all_lps = torch.cat(tokens, -1), torch.cat(log_probs, -1)
+    all_tokens, all_lps = torch.cat(tokens, -1).cpu(), torch.cat(log_probs, -1).cpu()  # stored from the CPU
+    done, length = done.cpu(), length.cpu()
     out_rows = [Response(all_tokens[r, :int(length[r])], all_lps[r, :int(length[r])],
                          STOP if bool(done[r]) else LENGTH) for r in range(rows)]
     grouped, start = [], 0

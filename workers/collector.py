@@ -42,8 +42,9 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
         # its tokenizer: text prompts go through its chat template, responses stop at its EOS ids and are decoded
         policy, tokenizer = cfg.collector_model_and_tokenizer()
         version = client.load_weights(policy)
-        gen = torch.Generator().manual_seed(cfg.seed * 7919 + client.collector_id * 104_729
-                                            + zlib.crc32(client.lease.encode()))  # a restart samples anew
+        gen = torch.Generator(device=cfg.collectors_device)  # where the model samples
+        gen.manual_seed(cfg.seed * 7919 + client.collector_id * 104_729
+                        + zlib.crc32(client.lease.encode()))  # a restart samples anew
         rollouts = Rollouts(cfg.make_task(),  # built here from the spec: prompt(i) is the same in every process
                             tokenizer, cfg.sampling(tokenizer, policy), chat_template=cfg.chat_template,
                             max_positions=max_positions(policy), reward_timeout_s=cfg.reward_timeout,

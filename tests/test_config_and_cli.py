@@ -42,10 +42,10 @@ def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "rbpipe.cli", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0
-    for command in ("run", "inspect", "query", "stress", "export"):
+    for command in ("run", "inspect", "query", "stress", "export", "view"):
         assert command in out.stdout
-    for command in ("run", "inspect", "query", "stress", "export"):
-        build_parser().parse_args([command, "x"] if command in ("inspect",) else [command, "x", "select 1"]
+    for command in ("run", "inspect", "query", "stress", "export", "view"):
+        build_parser().parse_args([command, "x"] if command in ("inspect", "view") else [command, "x", "select 1"]
                                   if command == "query" else
                                   [command, "x", "--zarr", "y"] if command == "export" else [command])
 

@@ -227,12 +227,13 @@ def _train(client: LearnerClient) -> None:
         except StepAbandoned:  # SIGTERM: model and optimizer are the last finished step's; its groups go back
             sampler.load_state_dict(before_draw)
             abandoned = True
-        finally:
-            stop.close()
         if step != saved or abandoned:  # stopped (Ctrl-C, SIGTERM): a resume continues from this very step
             checkpoint()
     memory.update()
-    client.report(done=1)  # every metrics line and the last checkpoint are on disk
+    # every metrics line and the last checkpoint are on disk; until then a SIGTERM (a second Ctrl-C of the
+    # launcher) only set the flag: the default action would have killed this process in the middle of the write
+    client.report(done=1)
+    stop.close()
 
 
 class _Stopping:

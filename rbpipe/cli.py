@@ -202,9 +202,9 @@ def _add_text_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", metavar="STR", default=None,
                    help="end a response once its text contains STR (repeatable); responses always end at the "
                         "tokenizer's / generation config's EOS token(s), --max-new-tokens being the cap")
-    g.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (default: all)")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (None: all)")
     g.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling: the smallest set of tokens of "
-                                                            "probability >= P (default: all)")
+                                                            "probability >= P (None: all)")
     g.add_argument("--reward-timeout", type=float, default=30.0, metavar="S",
                    help="seconds one reward call may take; a reward that raises or runs past it drops that sample "
                         "(counted by reason in the summary's rejected_reasons) and the run goes on")

@@ -81,7 +81,7 @@ def test_every_process_dies_with_the_launcher_and_resume_loses_nothing(tmp_path)
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
-        out = output(proc, 60)
+        out = output(proc, 120)  # the stop escalates over 15 s + 30 s at most, then the summary (a loaded machine)
         assert_all_gone(proc.pid)
     finally:
         cleanup(proc)
@@ -97,7 +97,7 @@ def test_every_process_dies_with_the_launcher_and_resume_loses_nothing(tmp_path)
     try:
         wait_for(lambda: len(steps_logged(run_dir)) >= done + 1, 150, "a learner step")
         os.kill(proc.pid, signal.SIGTERM)
-        out = output(proc, 60)
+        out = output(proc, 120)  # the stop escalates over 15 s + 30 s at most, then the summary (a loaded machine)
         assert_all_gone(proc.pid)
     finally:
         cleanup(proc)

@@ -128,7 +128,8 @@ class Rollouts:
                         group_id=unit.prompt_index, prompt=unit.ids, response=response.tokens,
                         rollout_log_probs=response.log_probs, reward=reward, collector_id=collector_id,
                         policy_version=policy_version,
-                        finish_reason=response.finish_reason if self.record_finish_reason else None,
+                        finish_reason=(response.finish_reason if self.record_finish_reason and unit.text is not None
+                                       else None),
                         text_prompt=unit.text, text_response=text))
         for unit in todo:
             if unit.todo:

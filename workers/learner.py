@@ -196,7 +196,8 @@ def _train(client: LearnerClient) -> None:
                 warned = warn_truncated(truncated, cfg.max_new_tokens, warned, warn)
                 record: dict[str, Any]
                 record = {"step": step, "time_s": round(time.time() - t0, 4),
-                          "reward_mean": float(reward.mean()), "truncated_fraction": truncated,
+                          "reward_mean": float(reward.mean()),
+                          **({} if truncated is None else {"truncated_fraction": truncated}),  # text tasks
                           "groups": int(info["group_seq"].numel()),
                           "groups_consumed": sampler.consumed_groups, "trained_groups": None,  # None: see _Reports
                           "stale_groups": sampler.stale_groups,

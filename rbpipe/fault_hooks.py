@@ -61,10 +61,12 @@ def hold(path: Path, stopping: Callable[[], bool], poll_s: float = 0.05) -> None
         time.sleep(poll_s)
 
 
-def hold_shard_restart(restarted: bool) -> None:
-    """In a shard actor's constructor: a restarted shard waits for ``RBPIPE_TEST_HOLD_SHARD_RESTART``'s file."""
+def hold_shard_restart(restarted: Callable[[], bool]) -> None:
+    """In a shard actor's constructor: a restarted shard waits for ``RBPIPE_TEST_HOLD_SHARD_RESTART``'s file.
+    ``restarted`` is asked only when the hook is set (Ray answers it in an actor only, not in a driver that
+    builds a shard host in process)."""
     path = os.environ.get(SHARD_RESTART_ENV)
-    if restarted and path:
+    if path and restarted():
         hold(Path(path), lambda: False)
 
 

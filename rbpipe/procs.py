@@ -258,6 +258,16 @@ def _signals_ignored(*signums: int) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def _signals_blocked(*signums: int) -> Iterator[None]:
+    """Hold ``signums`` pending (delivered when the block ends) while this thread starts a process."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 #: What the fork server imports once, so that every worker (and the grouping manager) starts as a fork of an
 #: interpreter that has them: importing torch, torchrl and transformers costs ~4 s of CPU per process, and a
 #: run's four children importing them at once on 2 cores took ~10 s before any of them did work.
@@ -277,7 +287,10 @@ class _WorkerProcess(multiprocess.context.ForkServerProcess):
 
     def start(self) -> None:
         self._start_environ = dict(os.environ)  # travels with the pickled process object
-        with _signals_ignored():
+        # Blocked, not ignored: the fork server makes the child (which inherits the server's SIG_IGN), so this
+        # process's disposition does not matter to it, while the first start waits seconds for the server's
+        # imports; a Ctrl-C ignored there was lost (a double Ctrl-C during start-up did not stop the run)
+        with _signals_blocked(signal.SIGINT):
             super().start()
 
     def run(self) -> None:

@@ -105,7 +105,7 @@ class ShardHost:
 
             from rbpipe import fault_hooks
 
-            fault_hooks.hold_shard_restart(_ray().get_runtime_context().was_current_actor_reconstructed)
+            fault_hooks.hold_shard_restart(lambda: _ray().get_runtime_context().was_current_actor_reconstructed)
             path = Path(log_dir) / f"shard-{index}.log"
             path.parent.mkdir(parents=True, exist_ok=True)
             self.replayed = self._replay(path)

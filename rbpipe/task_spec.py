@@ -144,8 +144,8 @@ def load_task(spec: str = DEFAULT_TASK, *, seed: int = 0) -> Task:
 def check_prompt(task: Task, spec: str, vocab_size: int | None = None, *, index: int = 0, encoder=None,
                  label: str | None = None) -> torch.Tensor:
     """Call ``prompt(index)`` once and check it: a non-empty 1-D integer tensor of ids below ``vocab_size``, or
-    (with ``encoder``, a :class:`rbpipe.chat.PromptEncoder`) a str or chat messages that encode to such ids."""
-    from rbpipe.chat import PROMPT_SHAPES, is_text_prompt
+    (with ``encoder``, a :class:`rbpipe.model.chat.PromptEncoder`) a str or chat messages that encode to such ids."""
+    from rbpipe.model.chat import PROMPT_SHAPES, is_text_prompt
 
     label = label or f"--task {spec}"
     try:
@@ -181,8 +181,8 @@ def check_task_fits(task: Task, spec: str, model: torch.nn.Module, max_new_token
     with ``tokenizer`` and its chat template), and each plus ``max_new_tokens`` fits the model's positions (a
     misfit would otherwise fail inside every worker). Later prompts that do not fit are dropped by the
     collectors, counted as ``prompt_too_long``."""
-    from rbpipe.chat import PromptEncoder
     from rbpipe.demo.policy import max_positions, vocab_size
+    from rbpipe.model.chat import PromptEncoder
 
     label = label or f"--task {spec}"
     encoder = PromptEncoder(tokenizer, chat_template=chat_template, task_name=label) if tokenizer is not None else None

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rbpipe.demo.policy import PolicyConfig, build_model, build_tokenizer
-from rbpipe.schema import (
+from rbpipe.trajectory import (
     GROUP_KEY,
     PROMPT_TOKENS_KEY,
     RESPONSE_TOKENS_KEY,
@@ -196,7 +196,7 @@ def _bad_model_dirs(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.timeout(60)
 def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_starts(tmp_path, task_file,
                                                                                     monkeypatch, capsys):
-    from rbpipe.cli import main
+    from rbpipe.cli.commands import main
 
     monkeypatch.chdir(tmp_path)  # a default run directory would appear under ./runs
     cases = [

@@ -19,24 +19,24 @@ import torch
 from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
 
-from rbpipe import fault_hooks
-from rbpipe.background import BackgroundJobs, snapshot
-from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
-from rbpipe.device import autocast
 from rbpipe.errors import RbpipeError
-from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.loss.batch import auto_micro_batches, row_sums
-from rbpipe.memory import PeakMemory
-from rbpipe.metrics_log import MetricsSink
-from rbpipe.procs import run_worker, settle_heap
-from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
+from rbpipe.model.device import autocast
+from rbpipe.model.truncation import truncated_fraction, warn_truncated
 from rbpipe.sampling import FreshGroupSampler
-from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
-from rbpipe.step_stop import StepAbandoned, StepStop
+from rbpipe.service.clients import LearnerClient
 from rbpipe.storage import collate_identity
-from rbpipe.truncation import truncated_fraction, warn_truncated
+from rbpipe.system import fault_hooks
+from rbpipe.system.fsutil import atomic_write
+from rbpipe.system.procs import run_worker, settle_heap
+from rbpipe.system.step_stop import StepAbandoned, StepStop
+from rbpipe.tracking.background import BackgroundJobs, snapshot
+from rbpipe.tracking.memory import PeakMemory
+from rbpipe.tracking.metrics_log import MetricsSink
+from rbpipe.tracking.progress import LEARNER_COMPILING, LEARNER_READY
+from rbpipe.trajectory import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -48,7 +48,7 @@ SNAPSHOT_LIMIT_BYTES = 256e6
 
 
 def save_checkpoint(run_dir: Path, state: dict) -> None:
-    """Write-then-rename (:func:`rbpipe.fsutil.atomic_write`, fsynced): a crash leaves the previous checkpoint
+    """Write-then-rename (:func:`rbpipe.system.fsutil.atomic_write`, fsynced): a crash leaves the previous checkpoint
     intact."""
     atomic_write(run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
 
@@ -78,7 +78,7 @@ def run_learner(target: str | Path, *, authkey_file: str | None = None, model: s
     ``restarted``: this process replaces a learner that died (a learner actor restarted by Ray): it waits for
     the dead one's lease to expire instead of being refused the learner role, then resumes from the checkpoint.
 
-    It tunes its process for the loop: one torch thread, and :func:`rbpipe.procs.settle_heap` (garbage
+    It tunes its process for the loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage
     collection) once set up."""
     torch.set_num_threads(1)
     client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task, wait_for_role=restarted)
@@ -151,7 +151,7 @@ def _train(client: LearnerClient) -> None:
     large_state = sum(p.numel() for p in model.parameters()) * 12 > SNAPSHOT_LIMIT_BYTES
 
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
-    # SIGTERM abandons the step in progress where that is safe (rbpipe.step_stop); a stop the service asks for
+    # SIGTERM abandons the step in progress where that is safe (rbpipe.system.step_stop); a stop the service asks for
     # (Ctrl-C of `rbpipe run`) lets it finish
     stop = StepStop(model, optimizer).install()
     delay, held = fault_hooks.step_delay(), fault_hooks.hold_after_step()
@@ -222,7 +222,7 @@ def _train(client: LearnerClient) -> None:
                     checkpoint()
                 if reached:
                     break
-                if held is not None and step == held[0]:  # a fault test's fixed point (rbpipe.fault_hooks)
+                if held is not None and step == held[0]:  # a fault test's fixed point (rbpipe.system.fault_hooks)
                     jobs.drain()  # its metrics line and checkpoint are on disk
                     fault_hooks.hold(held[1], stopping.is_set)
         except StepAbandoned:  # SIGTERM: model and optimizer are the last finished step's; its groups go back
@@ -318,5 +318,5 @@ def _group_fingerprints(rows) -> list[list[int]]:
 
 
 def learner_entry(target: str) -> None:
-    """Process target of ``rbpipe run`` (see :func:`rbpipe.procs.run_worker`)."""
+    """Process target of ``rbpipe run`` (see :func:`rbpipe.system.procs.run_worker`)."""
     run_worker("learner", functools.partial(run_learner, announce=False), target)

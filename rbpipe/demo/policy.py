@@ -68,7 +68,7 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
     ``.gguf`` file (``--model PATH``).
 
     Never downloads (``local_files_only``): a run must not depend on the network. A GGUF file is converted
-    once into a plain directory that every later load reads (:mod:`rbpipe.gguf`). The weights come back in
+    once into a plain directory that every later load reads (:mod:`rbpipe.model.gguf`). The weights come back in
     float32 whatever dtype the directory was saved in: the learner's optimizer needs float32 master weights,
     and collectors cast to ``--dtype`` themselves. Any failure is a one-line :class:`~rbpipe.errors.ConfigError`.
 
@@ -85,7 +85,7 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rbpipe.errors import ConfigError
-    from rbpipe.gguf import ensure_converted, is_gguf
+    from rbpipe.model.gguf import ensure_converted, is_gguf
 
     path = Path(path).expanduser()
     if is_gguf(path):
@@ -157,9 +157,9 @@ def sample_batch(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts
 
     A tiny model's forward costs about the same for 4 rows as for 32, so a collector that generates several
     work units at once pays for one. Every response is ``max_new_tokens`` long (no stop token); responses that
-    stop at EOS or a stop string come from :func:`rbpipe.generation.generate`, which this calls.
+    stop at EOS or a stop string come from :func:`rbpipe.model.generation.generate`, which this calls.
     """
-    from rbpipe.generation import Sampling, generate
+    from rbpipe.model.generation import Sampling, generate
 
     out = generate(model, prompts, counts, Sampling(max_new_tokens=max_new_tokens, temperature=temperature),
                    pad_id=PAD_ID, generator=generator)

@@ -21,11 +21,11 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
-from rbpipe.procs import MAIN_GUARD_HINT, die_with_parent, settle_heap, use_owned_socket_dir, worker_context
-from rbpipe.service_api import COORDINATOR_EXPOSED
+from rbpipe.service.api import COORDINATOR_EXPOSED
+from rbpipe.system.procs import MAIN_GUARD_HINT, die_with_parent, settle_heap, use_owned_socket_dir, worker_context
 
 if TYPE_CHECKING:
-    from rbpipe.rayengine import RayManager  # the same registry/coordinator interface, over Ray actors
+    from rbpipe.service.ray import RayManager  # the same registry/coordinator interface, over Ray actors
 
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
@@ -161,7 +161,7 @@ GroupingManager.register("get_registry", callable=get_registry, proxytype=Regist
 
 
 def _get_coordinator(name: str, settings: dict | None = None):
-    from rbpipe.coordinator import get_coordinator  # manager-side: only a service's manager builds one
+    from rbpipe.service.coordinator import get_coordinator  # manager-side: only a service's manager builds one
 
     return get_coordinator(name, settings)
 
@@ -220,7 +220,7 @@ def _init_manager_process(owner: int | None = None) -> None:
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
     # A process inherits its starter's temporary directory setting, and the starter's directory also holds the
     # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes, or, after a
-    # SIGKILL, the next sweep (rbpipe.procs.sweep_orphaned_socket_dirs)
+    # SIGKILL, the next sweep (rbpipe.system.procs.sweep_orphaned_socket_dirs)
     use_owned_socket_dir(replace=True)
     mp_util.Finalize(None, _clean_up, exitpriority=-1)  # a normal shutdown removes temporary staging too
     if owner is not None:
@@ -230,7 +230,7 @@ def _init_manager_process(owner: int | None = None) -> None:
 
 
 def start_manager(*, address: tuple[str, int] | str | None = None, authkey: bytes | None = None) -> GroupingManager:
-    """Start a grouping manager process (forked by the fork server, :func:`rbpipe.procs.worker_context`).
+    """Start a grouping manager process (forked by the fork server, :func:`rbpipe.system.procs.worker_context`).
     Shut it down with ``manager.shutdown()``.
 
     ``address=None`` listens on a Unix socket in a private temporary directory where the platform has them
@@ -297,7 +297,7 @@ def open_registry(manager: GroupingManager | RayManager, name: str, options: dic
 
 
 def open_coordinator(manager: GroupingManager | RayManager, name: str, settings: dict | None = None):
-    """Proxy to the service's :class:`~rbpipe.coordinator.Coordinator` of registry ``name`` (created with
+    """Proxy to the service's :class:`~rbpipe.service.coordinator.Coordinator` of registry ``name`` (created with
     ``settings``, after the registry, by the service; joined by workers)."""
     if _CONNECTION_PID != os.getpid():
         _forget_connections()

@@ -13,7 +13,7 @@ import pytest
 import rbpipe
 
 ROOT = Path(rbpipe.__file__).parent
-CHECKED = ("rbpipe.storage", "rbpipe.members", "rbpipe.fsutil")
+CHECKED = ("rbpipe.storage", "rbpipe.members", "rbpipe.system.fsutil")
 
 
 def _module_name(path: Path) -> str:

@@ -169,7 +169,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
 
 
 def _add_device_options(p: argparse.ArgumentParser) -> None:
-    """Where the model runs and in what precision (``rbpipe.device``)."""
+    """Where the model runs and in what precision (``rbpipe.model.device``)."""
     g = p.add_argument_group("devices and precision")
     g.add_argument("--device", default="cpu", metavar="cpu|cuda|cuda:N",
                    help="where the learner and the collectors run the model")
@@ -261,7 +261,7 @@ examples:
 
 
 def _add_query(sub) -> None:
-    from rbpipe.inspect_view import VIEWS_HELP
+    from rbpipe.cli.tables import VIEWS_HELP
 
     p = sub.add_parser("query", help="run SQL (DuckDB) over a store's groups and trajectories",
                        description="Run one DuckDB SQL statement over two views of a store, built from its files "
@@ -418,10 +418,10 @@ def _run(args, given: set[str]) -> int:
         print(f"rbpipe {args.command}: starting " + ("the service" if serving else "processes"), file=sys.stderr,
               flush=True)
     if args.engine == "local":  # the workers' fork server imports torch & co. on the other core meanwhile
-        from rbpipe.procs import warm_worker_server
+        from rbpipe.system.procs import warm_worker_server
 
         warm_worker_server()
-    from rbpipe.endpoint import parse_listen
+    from rbpipe.service.endpoint import parse_listen
     from rbpipe.workers.launcher import launch, serve
 
     _check_run_options(given, args.resume is not None, args.rollout_is == "none")
@@ -438,7 +438,7 @@ def _run(args, given: set[str]) -> int:
         if args.grouping_shards is not None and args.grouping_shards < 1:
             raise ConfigError(f"--grouping-shards must be >= 1, got {args.grouping_shards}")
         if args.engine == "ray":
-            from rbpipe.rayengine import parse_resources  # Ray itself is imported only when the run starts
+            from rbpipe.service.ray import parse_resources  # Ray itself is imported only when the run starts
 
             args.ray_resources = parse_resources(args.ray_resources)  # before anything is written
             start = functools.partial(start, engine="ray", ray={
@@ -542,11 +542,11 @@ def _inspect(args) -> int:
     if any(v for v in tail.values() if isinstance(v, (int, float))) \
             or any(isinstance(v, dict) and v for v in tail.values()):
         print(f"note: uncommitted bytes were ignored (never served): {tail}")
-    from rbpipe.inspect_view import format_groups
+    from rbpipe.cli.tables import format_groups
 
     print(format_groups(info["groups"]))
     if texts is not None:
-        from rbpipe.inspect_view import format_texts
+        from rbpipe.cli.tables import format_texts
 
         for g in info["groups"]:
             print()
@@ -556,9 +556,9 @@ def _inspect(args) -> int:
 
 def _group_texts(store: Path, groups: list[dict]) -> dict[int, list[dict]]:
     """``{seq: [member rows]}`` of ``groups`` from the ``trajectories`` view: the columns of
-    :data:`rbpipe.inspect_view.TEXT_COLUMNS` that the store has."""
-    from rbpipe.inspect_view import TEXT_COLUMNS
-    from rbpipe.query import query
+    :data:`rbpipe.cli.tables.TEXT_COLUMNS` that the store has."""
+    from rbpipe.cli.query import query
+    from rbpipe.cli.tables import TEXT_COLUMNS
 
     seqs = sorted({int(g["seq"]) for g in groups})
     if not seqs:
@@ -574,7 +574,7 @@ def _group_texts(store: Path, groups: list[dict]) -> dict[int, list[dict]]:
 
 
 def _query(args) -> int:
-    from rbpipe.query import query, to_csv, to_json, to_text
+    from rbpipe.cli.query import query, to_csv, to_json, to_text
 
     table = query(args.store, args.sql)
     print(to_json(table) if args.json else to_csv(table).rstrip("\n") if args.csv else to_text(table))
@@ -582,7 +582,7 @@ def _query(args) -> int:
 
 
 def _stress(args) -> int:
-    from rbpipe.stress import check_stress_args, format_stress_table, run_stress
+    from rbpipe.cli.stress import check_stress_args, format_stress_table, run_stress
 
     check_stress_args(writers=args.writers, trajectories=args.trajectories, group_size=args.group_size,
                       kill_rate=args.kill_rate)

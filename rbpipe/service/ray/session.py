@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from rbpipe.errors import ConfigError
-from rbpipe.rayengine.common import _ray
+from rbpipe.service.ray.common import _ray
 
 #: Ray decides the node IP from the machine's interface. Without ``--ray-address`` the engine starts a private
 #: instance on loopback: this variable (read by Ray when it is imported) makes the driver, the head and every

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError
-from rbpipe.fsutil import atomic_write
+from rbpipe.system.fsutil import atomic_write
 
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 LOG_DIR = "logs"

@@ -23,8 +23,13 @@ import multiprocess
 import torch
 
 from rbpipe.errors import ConfigError
-from rbpipe.procs import owned_temp_dir, quiet_killed_worker_trackers, release_owned_dir, sweep_orphaned_socket_dirs
-from rbpipe.schema import GROUP_KEY, RAGGED_KEYS, REWARD_KEY, make_trajectory
+from rbpipe.system.procs import (
+    owned_temp_dir,
+    quiet_killed_worker_trackers,
+    release_owned_dir,
+    sweep_orphaned_socket_dirs,
+)
+from rbpipe.trajectory import GROUP_KEY, RAGGED_KEYS, REWARD_KEY, make_trajectory
 
 UID_KEY = "uid"
 #: Prefix of a run's temporary directory (the writers' shares, and its store when none is given). Its ``.owner``
@@ -93,7 +98,7 @@ STOCK_SHARING = "file_system"
 
 def _writer_main(w: int, buffer, share_path: str, payload: str, progress, inflight, start: int,
                  sharing: str, up) -> None:
-    from rbpipe.procs import _parent_pid, die_with_parent
+    from rbpipe.system.procs import _parent_pid, die_with_parent
 
     die_with_parent(_parent_pid())
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ rate limiter's band allows (collectors' lead over the learner, :mod:`rbpipe.rate
 
 The learner reports its progress here (step, groups trained / retired, phase, done), which moves the band
 on and is what ``rbpipe serve`` and ``rbpipe run`` show and summarise. The prompts still owed are persisted
-whenever their total changes (``prompts.json`` and its journal, :mod:`rbpipe.journal`: one appended line per
+whenever their total changes (``prompts.json`` and its journal, :mod:`rbpipe.service.journal`: one appended line per
 hand-over), so a resumed service continues them, after a kill too.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.grouping.leases import LEASES
-from rbpipe.journal import StateJournal
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
-from rbpipe.service_api import COORDINATOR_EXPOSED
+from rbpipe.service.api import COORDINATOR_EXPOSED
+from rbpipe.service.journal import StateJournal
 
 PROMPTS = "prompts.json"
 #: learner fields a learner may report (all ints but ``phase``/``busy``): unknown names are refused

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rbpipe.demo.policy import flat_parameters, load_flat_parameters
-from rbpipe.procs import shared_memory_dir, sweep_dead_files
+from rbpipe.system.procs import shared_memory_dir, sweep_dead_files
 
 _SEQ, _VERSION, _STEP, _NUMEL = 0, 1, 2, 3
 _HEADER = 8

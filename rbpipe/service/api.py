@@ -7,7 +7,7 @@ engine's coordinator actor (which serves it over Ray).
 
 from __future__ import annotations
 
-#: :class:`rbpipe.coordinator.Coordinator`'s remote methods
+#: :class:`rbpipe.service.coordinator.Coordinator`'s remote methods
 COORDINATOR_EXPOSED = ("take", "take_many", "skip", "count", "join", "release", "claim_learner", "report_learner",
                        "learner", "status", "endpoint", "set_endpoint", "request_stop", "stop_requested", "timing",
                        "reconcile_staged", "close")

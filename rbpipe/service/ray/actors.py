@@ -9,9 +9,9 @@ import traceback
 import uuid
 from typing import Any
 
-from rbpipe import fault_hooks
 from rbpipe.errors import ConfigError
-from rbpipe.rayengine.common import _ray
+from rbpipe.service.ray.common import _ray
+from rbpipe.system import fault_hooks
 
 
 class _WorkerHost:

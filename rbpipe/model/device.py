@@ -1,6 +1,6 @@
 """Where models run and in what precision: ``--device``, ``--collector-device`` and ``--dtype``.
 
-One rule for every process: weights travel as float32 (``rbpipe.weights``, one copy per version), each process
+One rule for every process: weights travel as float32 (``rbpipe.service.weights``, one copy per version), each process
 casts them to its own device and dtype. The learner keeps float32 master weights whatever ``--dtype`` says and
 runs its forward pass under ``torch.autocast`` in bfloat16: Adam steps of ``lr * 1e-5``-sized updates on
 bfloat16 weights mostly round to nothing (a bfloat16 value has 8 significant bits), and the loss takes its

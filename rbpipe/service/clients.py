@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rbpipe.config import RunConfig
-from rbpipe.endpoint import REGISTRY_NAME, Attachment, attach
 from rbpipe.errors import BadTrajectoryError, ConfigError, RbpipeError, StoreError
 from rbpipe.grouping.manager import call
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
-from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
+from rbpipe.service.endpoint import REGISTRY_NAME, Attachment, attach
+from rbpipe.service.weights import SharedWeights
 from rbpipe.task_spec import normalize_spec
-from rbpipe.weights import SharedWeights
+from rbpipe.trajectory import GROUP_KEY, RAGGED_KEYS
 
 #: On Ray, a waiting ``take_many`` asks again after this long (its coordinator actor cannot hold a call open).
 RAY_TAKE_POLL_S = 0.02
 
 if TYPE_CHECKING:
-    from rbpipe.rayengine import RayWeights
+    from rbpipe.service.ray import RayWeights
 
 
 def check_store_path(store: Path) -> None:
@@ -73,7 +73,7 @@ class _Attached:
         spec = self.attachment.endpoint["weights"]
         self._on_ray = spec.get("engine") == "ray"
         if self._on_ray:
-            from rbpipe.rayengine import RayWeights
+            from rbpipe.service.ray import RayWeights
 
             self._weights: SharedWeights | RayWeights = RayWeights(self.attachment.manager.coordinator_actor,
                                                                    spec["numel"])
@@ -128,7 +128,7 @@ class CollectorClient(_Attached):
         with rbpipe.connect("runs/shared") as client:
             unit = client.take()  # {"prompt": 12, "samples": 4}, or None while the rate limit holds back
             ...                   # generate unit["samples"] responses to task.prompt(unit["prompt"])
-            client.extend(trajectory)  # each one, built with rbpipe.schema.make_trajectory
+            client.extend(trajectory)  # each one, built with rbpipe.trajectory.make_trajectory
     """
 
     def __init__(self, target: str | Path, *, authkey_file: str | None = None, collector_id: int | None = None,
@@ -317,7 +317,7 @@ class LearnerClient(_Attached):
         return self._call("timing")
 
     def report(self, **fields: Any) -> dict[str, float]:
-        """Progress for the service's line, band and summary (``rbpipe.coordinator.LEARNER_FIELDS``); returns
+        """Progress for the service's line, band and summary (``rbpipe.service.coordinator.LEARNER_FIELDS``); returns
         :meth:`collectors_timing` (a learner reports every step and logs both: one round trip)."""
         return call(self.coordinator, "report_learner", **fields)
 

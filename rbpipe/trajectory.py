@@ -93,7 +93,7 @@ def validate_trajectory(td: TensorDictBase, *, required=REQUIRED_KEYS,
     if not isinstance(td, TensorDictBase):
         raise BadTrajectoryError(
             f"expected a TensorDict trajectory, got {type(td).__name__}; build it with "
-            "rbpipe.schema.make_trajectory(...)"
+            "rbpipe.trajectory.make_trajectory(...)"
         )
     missing = [k for k in required if not _present(td, k)]  # a lookup each: no walk of every key
     if missing:

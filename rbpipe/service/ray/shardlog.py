@@ -13,7 +13,7 @@ group key that is a tuple comes back a tuple: it hashes the same), ``{"$dict": [
 ``{"$int": decimal}`` (beyond 64 bits, which orjson would read back as a float) and
 ``{"$selector": [strategy, max_combinations]}`` (torchrl's built-in ``MCAdvantageSelector``). ``options`` is
 ``null`` when they hold anything else (a user's selector object): they are not written, see
-:mod:`rbpipe.rayengine.shards` for how they come back after a restart; ``fingerprint`` identifies them.
+:mod:`rbpipe.service.ray.shards` for how they come back after a restart; ``fingerprint`` identifies them.
 
 Reading: a last line without its ``\\n`` was cut short by a kill (its call never ran): it is ignored, as long
 as it looks like the start of a line of ours. Any other line that does not decode (a checksum, JSON or tag

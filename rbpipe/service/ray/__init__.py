@@ -7,8 +7,8 @@ What runs where (``docs/RAY.md`` explains the choices):
   manager does, so torchrl's ``MCAdvantage`` decisions are unchanged. A group key goes to shard
   ``crc32(key) % K`` (:func:`shard_of`, stable across processes and runs), so no shard sees every trajectory.
 * **Coordinator and lease authority.** One :class:`CoordinatorHost` actor holds the service's
-  :class:`~rbpipe.coordinator.Coordinator` (work units, rate-limit band, learner progress), grants every lease and
-  holds the latest weights' object ref. A lease is granted there and *adopted* by every shard (each keeps a
+  :class:`~rbpipe.service.coordinator.Coordinator` (work units, rate-limit band, learner progress), grants every
+  lease and holds the latest weights' object ref. A lease is granted there and *adopted* by every shard (each keeps a
   :class:`~rbpipe.grouping.leases.LeaseTable` of its own); heartbeats renew it on the coordinator and, while it
   lives there, on every shard. Checking a claim's owner never leaves the shard.
 * **Clients unchanged.** :class:`ShardedRegistry` and :class:`CoordinatorProxy` answer
@@ -21,17 +21,17 @@ What runs where (``docs/RAY.md`` explains the choices):
 
 Ray is imported lazily: nothing here runs for ``--engine local``.
 
-Modules, by job: :mod:`~rbpipe.rayengine.session` (start or join Ray, loopback),
-:mod:`~rbpipe.rayengine.shards` (registry shards and their router), :mod:`~rbpipe.rayengine.coordinator`
-(coordinator actor, weights, ``RayManager``), :mod:`~rbpipe.rayengine.actors` (worker actors for the
-launcher's supervisor), :mod:`~rbpipe.rayengine.common` (names, Ray imported lazily, errors, proxies).
+Modules, by job: :mod:`~rbpipe.service.ray.session` (start or join Ray, loopback),
+:mod:`~rbpipe.service.ray.shards` (registry shards and their router), :mod:`~rbpipe.service.ray.coordinator`
+(coordinator actor, weights, ``RayManager``), :mod:`~rbpipe.service.ray.actors` (worker actors for the
+launcher's supervisor), :mod:`~rbpipe.service.ray.common` (names, Ray imported lazily, errors, proxies).
 """
 
 from __future__ import annotations
 
-from rbpipe.rayengine.actors import RayContext, RayProcess, parse_resources
-from rbpipe.rayengine.common import COORDINATOR_NAME, SHARD_PREFIX
-from rbpipe.rayengine.coordinator import (
+from rbpipe.service.ray.actors import RayContext, RayProcess, parse_resources
+from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX
+from rbpipe.service.ray.coordinator import (
            STATS_CACHE_S,
            CoordinatorHost,
            CoordinatorProxy,
@@ -40,8 +40,8 @@ from rbpipe.rayengine.coordinator import (
            remove_session_logs,
            shard_log_dir,
 )
-from rbpipe.rayengine.session import LOOPBACK_ENV, RaySession, use_loopback
-from rbpipe.rayengine.shards import (
+from rbpipe.service.ray.session import LOOPBACK_ENV, RaySession, use_loopback
+from rbpipe.service.ray.shards import (
            LOGGED,
            NOTIFY_S,
            RESTART_WAIT_S,

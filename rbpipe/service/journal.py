@@ -5,7 +5,7 @@ write-then-rename of a 200-byte file costs 150-400 us of CPU on ext4 (the rename
 writeback of the new one), about 2 ms per learner step in the grouping manager under load; appending one line
 to an open file costs ~1 us. So a state is kept as two files:
 
-* ``NAME`` (e.g. ``prompts.json``), a snapshot written atomically (:func:`rbpipe.fsutil.atomic_write`);
+* ``NAME`` (e.g. ``prompts.json``), a snapshot written atomically (:func:`rbpipe.system.fsutil.atomic_write`);
 * ``NAME.journal``, whole states appended one line each, in the commit log's checksummed line format
   (:func:`rbpipe.storage.commitlog.encode`), every line numbered (``"seq"``).
 
@@ -24,8 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rbpipe.fsutil import atomic_write_json
 from rbpipe.storage.commitlog import decode, encode
+from rbpipe.system.fsutil import atomic_write_json
 
 #: the state's number in the snapshot and in each journal line
 SEQ = "seq"

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from rbpipe.errors import ConfigError
-from rbpipe.fsutil import file_lock
+from rbpipe.system.fsutil import file_lock
 
 SUFFIX = ".gguf"
 #: written last into a converted directory: its presence means the conversion finished

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rbpipe.generation import LENGTH
-from rbpipe.schema import FINISH_REASON_KEY
+from rbpipe.model.generation import LENGTH
+from rbpipe.trajectory import FINISH_REASON_KEY
 
 #: above this fraction of a step's responses cut at the cap, the learner warns (once per run)
 WARN_ABOVE = 0.5

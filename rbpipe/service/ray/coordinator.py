@@ -10,11 +10,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rbpipe import fault_hooks
 from rbpipe.errors import ConfigError, ManagerDiedError
-from rbpipe.rayengine.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
-from rbpipe.rayengine.session import init_ray, use_loopback
-from rbpipe.rayengine.shards import RESTART_WAIT_S, RegistryAwaitsOptions, ShardedRegistry, ShardHost
+from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
+from rbpipe.service.ray.session import init_ray, use_loopback
+from rbpipe.service.ray.shards import RESTART_WAIT_S, RegistryAwaitsOptions, ShardedRegistry, ShardHost
+from rbpipe.system import fault_hooks
 
 #: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
 STATS_CACHE_S = 0.25
@@ -99,7 +99,7 @@ class CoordinatorHost:
         return os.getpid()
 
     def configure(self, name: str, settings: dict, registry) -> None:
-        from rbpipe.coordinator import Coordinator
+        from rbpipe.service.coordinator import Coordinator
 
         if name not in self.coordinators:
             self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(registry),
@@ -109,7 +109,7 @@ class CoordinatorHost:
         return name in self.coordinators
 
     def call(self, name: str, method: str, args: tuple, kwargs: dict):
-        from rbpipe.coordinator import Coordinator
+        from rbpipe.service.coordinator import Coordinator
 
         if method not in Coordinator.exposed:
             raise AttributeError(f"Coordinator has no remote method {method!r}")
@@ -160,7 +160,7 @@ class CoordinatorProxy(_Proxy):
 
     @staticmethod
     def _exposed():
-        from rbpipe.service_api import COORDINATOR_EXPOSED
+        from rbpipe.service.api import COORDINATOR_EXPOSED
 
         return COORDINATOR_EXPOSED
 

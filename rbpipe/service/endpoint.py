@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError, RbpipeError
-from rbpipe.fsutil import atomic_write_json
+from rbpipe.system.fsutil import atomic_write_json
 
 ENDPOINT = "endpoint.json"
 AUTHKEY = "authkey"
@@ -127,7 +127,7 @@ def attach(target: str | os.PathLike, authkey_file: str | None = None) -> Attach
         address = endpoint["address"]
         address = tuple(address) if isinstance(address, list) else address
     if endpoint is not None and endpoint.get("engine") == "ray":
-        from rbpipe.rayengine import RayManager  # the service's actors, in its Ray namespace
+        from rbpipe.service.ray import RayManager  # the service's actors, in its Ray namespace
 
         manager = RayManager.connect(endpoint["ray"])
         coordinator = open_coordinator(manager, REGISTRY_NAME)

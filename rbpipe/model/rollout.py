@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from rbpipe.chat import PromptEncoder, is_text_prompt
-from rbpipe.generation import Response, Sampling, generate
-from rbpipe.rewards import Failed, call_rewards
-from rbpipe.schema import make_trajectory
+from rbpipe.model.chat import PromptEncoder, is_text_prompt
+from rbpipe.model.generation import Response, Sampling, generate
+from rbpipe.model.rewards import Failed, call_rewards
+from rbpipe.trajectory import make_trajectory
 
 PROMPT_TOO_LONG = "prompt_too_long"
 BAD_PROMPT = "bad_prompt"

@@ -1,7 +1,7 @@
 """The grouping registry's shards: ``ShardHost`` actors (their log, replayed on a restart) and the
 ``ShardedRegistry`` router that answers like one ``GroupRegistry`` proxy.
 
-The log (:mod:`rbpipe.rayengine.shardlog`) is JSON, never a pickle: nothing read back from disk is unpickled.
+The log (:mod:`rbpipe.service.ray.shardlog`) is JSON, never a pickle: nothing read back from disk is unpickled.
 A registry's options are written there when they are plain values and torchrl's built-in selector (what
 ``rbpipe run/serve`` builds: ``--selector first|uniform|balanced``). Options holding anything else (a user's
 ``candidate_selector`` object) are not written: every router keeps the options in memory (the opener's own, or
@@ -21,8 +21,8 @@ import zlib
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
-from rbpipe.rayengine.common import COORDINATOR_NAME, _get, _Proxy, _ray
-from rbpipe.rayengine.shardlog import LOGGED, call_record, open_record, options_fingerprint, read_log
+from rbpipe.service.ray.common import COORDINATOR_NAME, _get, _Proxy, _ray
+from rbpipe.service.ray.shardlog import LOGGED, call_record, open_record, options_fingerprint, read_log
 
 #: Seconds between a shard's batched notices of appends to the coordinator (a unit is done when its samples
 #: were handed over: the coordinator learns it this much later).
@@ -72,7 +72,7 @@ class ShardHost:
     checked against this shard's own lease table.
 
     With ``log_dir`` (the service's: under the store, a path that survives the actor) every call that changes
-    state is appended to ``shard-<index>.log`` (JSON lines, :mod:`rbpipe.rayengine.shardlog`) before it runs;
+    state is appended to ``shard-<index>.log`` (JSON lines, :mod:`rbpipe.service.ray.shardlog`) before it runs;
     an actor that Ray restarts (``max_restarts``) replays it, so its queued groups, unconfirmed claims and counters
     come back as they were (a registry whose options are not in the log: once a router re-sends them). A writer whose
     call was cut off by the restart calls again (the router retries): an append of a handle the shard already
@@ -103,7 +103,7 @@ class ShardHost:
         if log_dir:
             from pathlib import Path
 
-            from rbpipe import fault_hooks
+            from rbpipe.system import fault_hooks
 
             fault_hooks.hold_shard_restart(lambda: _ray().get_runtime_context().was_current_actor_reconstructed)
             path = Path(log_dir) / f"shard-{index}.log"

@@ -16,7 +16,7 @@ import resource
 import time
 from pathlib import Path
 
-from rbpipe.fsutil import atomic_write
+from rbpipe.system.fsutil import atomic_write
 
 MEMORY_DIR = "memory"
 

@@ -4,6 +4,7 @@ alone too), and grouping never imports storage (docs/STORAGE.md)."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,13 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+    """Every module of the package, ``rbpipe.workers`` included (``rbpipe/workers`` links to ``workers/``)."""
+    found = {}
+    for folder, _, files in os.walk(ROOT, followlinks=True):
+        for file in files:
+            if file.endswith(".py"):
+                found[_module_name(Path(folder) / file)] = Path(folder) / file
+    return found
 
 
 def _imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
@@ -68,6 +75,12 @@ def test_no_module_is_on_an_import_cycle(scope):
     assert "rbpipe.storage.base" in checked and "rbpipe.storage.ledger" in checked
     cycles = [c for c in (_cycle_from(graph, m) for m in checked) if c]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_graph_scans_the_workers():
+    graph = _graph()
+    assert {"rbpipe.workers.serve", "rbpipe.workers.launcher"} <= set(graph)
+    assert "rbpipe.service.coordinator" in graph["rbpipe.workers.serve"] | graph["rbpipe.grouping.manager"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

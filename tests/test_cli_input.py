@@ -180,7 +180,7 @@ def test_export_twice_to_one_output_is_refused(tmp_path, capsys):
 
 def test_resume_drops_metrics_past_the_checkpoint(tmp_path):
     """Steps after the checkpoint are trained again on resume: each must be logged once (a torn line goes)."""
-    from rbpipe.workers.learner import truncate_metrics
+    from rbpipe.tracking.metrics_log import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew')

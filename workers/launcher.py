@@ -22,18 +22,18 @@ from typing import Any
 
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError
+from rbpipe.rundir import CONFIG, METRICS, PID_STARTS, PIDS, PLOT, RAY_WORKERS, RUN, STORE, SUMMARY
 from rbpipe.service.clients import check_store_path, open_run_store
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.system.fsutil import atomic_write_json
 from rbpipe.system.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
 from rbpipe.task_spec import check_task_fits
+from rbpipe.tracking.checkpoint import load_checkpoint
 from rbpipe.tracking.memory import record_peak, session_peaks
 from rbpipe.tracking.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar
 from rbpipe.tracking.progress import SUMMARY as WRITING_SUMMARY
 from rbpipe.tracking.report import (
-    PLOT,
-    SUMMARY,
     MetricsTail,
     first_last_fraction,
     last_mean,
@@ -43,13 +43,9 @@ from rbpipe.tracking.report import (
     timing_summary,
 )
 from rbpipe.workers.collector import collector_entry
-from rbpipe.workers.learner import METRICS, learner_entry, load_checkpoint
+from rbpipe.workers.learner import learner_entry
 from rbpipe.workers.serve import Service
 
-CONFIG = "config.json"
-RAY_WORKERS = "ray_workers.json"  # --engine ray: the namespace and where each worker actor was placed
-PIDS = "pids.json"  # {name: pid} of the run's processes (launcher, manager, learner, collectors)
-PID_STARTS = "pid_starts.json"  # {name: start time in clock ticks}: tells a live process from a recycled pid
 SUPERVISE_POLL_S = 0.1  # the supervisor's look at the service: a finished run is wound down this soon after
 STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
 #: A stop's bounded waits (docs/DESIGN.md, "Stopping"): workers get STOP_GRACE_S to finish their step (a second
@@ -141,7 +137,7 @@ def _prepare_resume(run_dir: Path, steps: int | None) -> tuple[RunConfig, Path]:
     cfg = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
     if steps is not None:
         cfg.steps = steps  # extend (or shorten) the resumed run; saved once the store is ours
-    return cfg, Path(json.loads((run_dir / "run.json").read_text())["store"])
+    return cfg, Path(json.loads((run_dir / RUN).read_text())["store"])
 
 
 def _prepare_new(run_dir: Path | None, store: Path | None) -> tuple[Path, Path]:
@@ -152,7 +148,7 @@ def _prepare_new(run_dir: Path | None, store: Path | None) -> tuple[Path, Path]:
     if (run_dir / CONFIG).exists():
         raise ConfigError(f"--run-dir {run_dir} already holds a run: continue it with `rbpipe run --resume "
                           f"{run_dir}`, or pass a new --run-dir")
-    store = Path(store) if store is not None else run_dir / "store"
+    store = Path(store) if store is not None else run_dir / STORE
     check_store_path(store)
     return run_dir, store
 
@@ -275,7 +271,7 @@ def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progr
             if resume is None or steps is not None:
                 cfg.save(run_dir / CONFIG)
             if resume is None:
-                (run_dir / "run.json").write_text(json.dumps({"store": str(store)}))
+                (run_dir / RUN).write_text(json.dumps({"store": str(store)}))
         except BaseException:
             lock.release()
             raise

@@ -20,10 +20,12 @@ from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
 from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.manager import open_coordinator
-from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
-from rbpipe.service.endpoint import AUTHKEY, ENDPOINT, REGISTRY_NAME, new_authkey, write_endpoint
+from rbpipe.rate_limit import RateLimiter
+from rbpipe.rundir import AUTHKEY, ENDPOINT, METRICS, RATE_LIMIT, STAGING
+from rbpipe.service.endpoint import REGISTRY_NAME, new_authkey, write_endpoint
 from rbpipe.service.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
-from rbpipe.workers.learner import METRICS, load_checkpoint, truncate_metrics
+from rbpipe.tracking.checkpoint import load_checkpoint
+from rbpipe.tracking.metrics_log import truncate_metrics
 
 if TYPE_CHECKING:
     from rbpipe.buffer import GroupReplayBuffer
@@ -82,7 +84,7 @@ class Service:
             self.manager = RayManager.start(shards=self.grouping_shards, log_dir=str(self.run_dir))
         else:
             self.manager = start_manager(address=self.listen, authkey=key)
-        self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / "staging",
+        self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / STAGING,
                                          name=REGISTRY_NAME, **cfg.grouping_kwargs())
         self.rows_at_start = len(self.storage)
         self.requeued, self.torn, staged = self.buffer.requeue_staged()  # queued again, not lost
@@ -179,4 +181,4 @@ class Service:
                 shutil.rmtree(shard_log_dir(self.run_dir, self.manager.prefix), ignore_errors=True)
         if self.weights is not None:
             self.weights.unlink()
-        (self.run_dir / RATE_LIMIT_FILE).unlink(missing_ok=True)
+        (self.run_dir / RATE_LIMIT).unlink(missing_ok=True)

@@ -23,6 +23,7 @@ import multiprocess
 import torch
 
 from rbpipe.errors import ConfigError
+from rbpipe.rundir import STAGING
 from rbpipe.system.procs import (
     owned_temp_dir,
     quiet_killed_worker_trackers,
@@ -174,7 +175,7 @@ def _run(tmp: Path, store: Path, own_store: bool, *, writers: int, trajectories:
     torch.multiprocessing.set_sharing_strategy(sharing)  # before torchrl forks its manager
     ctx = multiprocess.get_context("spawn")
     buffer = make_replay_buffer(storage, grouping=grouping, grpo_size=group_size, manager=manager,
-                                staging_dir=store / "staging", **kwargs)
+                                staging_dir=store / STAGING, **kwargs)
     progress = ctx.Array("q", writers, lock=False)
     inflight = ctx.Array("q", [-1] * writers, lock=False)
     up = ctx.Array("b", writers, lock=False)  # a writer sets its flag once its first hand-over returned

@@ -19,7 +19,8 @@ import torch
 from rbpipe.config import RunConfig
 from rbpipe.errors import BadTrajectoryError, ConfigError, RbpipeError, StoreError
 from rbpipe.grouping.manager import call
-from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
+from rbpipe.rate_limit import RateLimiter
+from rbpipe.rundir import RATE_LIMIT, STAGING
 from rbpipe.service.endpoint import REGISTRY_NAME, Attachment, attach
 from rbpipe.service.weights import SharedWeights
 from rbpipe.task_spec import normalize_spec
@@ -139,7 +140,7 @@ class CollectorClient(_Attached):
         cfg = self.config
         self.storage = open_run_store(cfg, self.store)
         self.buffer = make_replay_buffer(self.storage, manager=self.attachment.manager,
-                                         staging_dir=self.store / "staging", name=REGISTRY_NAME,
+                                         staging_dir=self.store / STAGING, name=REGISTRY_NAME,
                                          **cfg.grouping_kwargs())
         self._wanted_id = collector_id
         self._unreported_ns = {"generate_ns": 0, "handover_ns": 0}  # sent with the next count
@@ -305,7 +306,7 @@ class LearnerClient(_Attached):
             self._lease.release()
             raise RbpipeError(problem)
         self.storage = open_run_store(self.config, self.store)
-        self.limiter = RateLimiter.for_run(self.config, self.run_dir / RATE_LIMIT_FILE, create=False)
+        self.limiter = RateLimiter.for_run(self.config, self.run_dir / RATE_LIMIT, create=False)
         self._lock = threading.Lock()
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.grouping.leases import LEASES
-from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
+from rbpipe.rate_limit import RateLimiter
+from rbpipe.rundir import PROMPTS, RATE_LIMIT
 from rbpipe.service.api import COORDINATOR_EXPOSED
 from rbpipe.service.journal import StateJournal
 
-PROMPTS = "prompts.json"
 #: learner fields a learner may report (all ints but ``phase``/``busy``): unknown names are refused
 LEARNER_FIELDS = ("step", "done", "phase", "consumed_groups", "stale_groups", "stale_trajectories",
                   "sample_blocked_ns", "start_step")  # start_step: the checkpoint step the learner started from
@@ -91,7 +91,7 @@ class Coordinator:
         self._registry = None if registry is None else CachedStats(registry, stats_cache_s)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # what a waiting take_many waits for: the band moved
-        self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / RATE_LIMIT_FILE, create=True)
+        self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / RATE_LIMIT, create=True)
         self._expect = max(1, int(expect_collectors))
         self.next_prompt = 0
         self._pool: dict[int, int] = {}  # open prompt -> samples nobody generates yet (insertion = age order)

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError, RbpipeError
+from rbpipe.rundir import AUTHKEY, ENDPOINT
 from rbpipe.system.fsutil import atomic_write_json
 
-ENDPOINT = "endpoint.json"
-AUTHKEY = "authkey"
 AUTHKEY_ENV = "RBPIPE_AUTHKEY"
 REGISTRY_NAME = "rbpipe"  # the service's registry and coordinator in its manager
 

@@ -16,9 +16,8 @@ import resource
 import time
 from pathlib import Path
 
+from rbpipe.rundir import MEMORY
 from rbpipe.system.fsutil import atomic_write
-
-MEMORY_DIR = "memory"
 
 
 def peak_rss_mb(pid: int | None = None) -> float | None:
@@ -50,7 +49,7 @@ class PeakMemory:
 
     def __init__(self, run_dir: str | Path, role: str, pid: int | None = None) -> None:
         self.role, self.pid = role, pid or os.getpid()
-        self.path = Path(run_dir) / MEMORY_DIR / f"{role.replace(' ', '-')}-{self.pid}.json"
+        self.path = Path(run_dir) / MEMORY / f"{role.replace(' ', '-')}-{self.pid}.json"
         self.written = 0.0
 
     def update(self) -> float:
@@ -68,7 +67,7 @@ def collect(run_dir: str | Path, *, since: float) -> dict[str, float]:
     """``{role: peak MB}`` of the records written since ``since`` (this session's processes); a role whose
     process was restarted gets the largest of its processes' peaks."""
     out: dict[str, float] = {}
-    folder = Path(run_dir) / MEMORY_DIR
+    folder = Path(run_dir) / MEMORY
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             record = json.loads(path.read_text())

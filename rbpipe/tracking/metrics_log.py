@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError
+from rbpipe.rundir import LOGS, METRICS
 from rbpipe.system.fsutil import atomic_write
 
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
-LOG_DIR = "logs"
-METRICS = "metrics.jsonl"
 #: record fields that are not per-step scalars
 _NOT_SCALARS = {"step"}
 _PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -38,7 +37,7 @@ def check_logger(kind: str) -> None:
 
 
 def log_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / LOG_DIR
+    return Path(run_dir) / LOGS
 
 
 def _resumed_tensorboard_logger(exp_name: str, log_dir: str, start_step: int):
@@ -144,3 +143,21 @@ class MetricsSink:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics records past ``step`` (the checkpoint a resume starts from): the steps after it are
+    trained again, and each must appear once in ``metrics.jsonl``. A torn last line goes too."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step and line.endswith("\n"):
+            keep.append(line)
+    if len(keep) != len(lines):
+        atomic_write(path, "".join(keep), fsync=False)

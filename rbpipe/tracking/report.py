@@ -6,9 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUMMARY = "summary.json"
-PLOT = "reward.png"
-
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Learner metrics, one JSON object per line; a torn last line (crash mid-write) is skipped."""

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rbpipe.errors import StoreError
+from rbpipe.rundir import RUN, STORE, SUMMARY
 from rbpipe.view.rows import MemberReader
 
 #: groups per page: what the browser renders at once, whatever the store holds
@@ -44,20 +45,20 @@ def resolve_store(path: str | os.PathLike) -> tuple[Path, Path | None]:
                          "(runs/<run>)")
     if (path / "rbpipe-store.json").is_file():
         return path, None
-    run_json = path / "run.json"
+    run_json = path / RUN
     if run_json.is_file():
         try:
             named = Path(json.loads(run_json.read_text())["store"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"{str(run_json)!r} does not name the run's store ({exc}): pass the store "
                              "directory itself") from None
-        for store in (named, path / named, path / "store"):
+        for store in (named, path / named, path / STORE):
             if (store / "rbpipe-store.json").is_file():
                 return store, path
         raise StoreError(f"the store of run {str(path)!r} ({str(named)!r}) is not there: pass the store "
                          "directory itself")
-    if (path / "store" / "rbpipe-store.json").is_file():
-        return path / "store", path
+    if (path / STORE / "rbpipe-store.json").is_file():
+        return path / STORE, path
     raise StoreError(f"{str(path)!r} is neither an rbpipe store (no rbpipe-store.json) nor a run directory "
                      "(no run.json or store/): pass a store (runs/<run>/store) or a run directory (runs/<run>)")
 
@@ -239,7 +240,7 @@ class StoreView:
         if self.run_dir is None:
             return None
         try:
-            summary = json.loads((self.run_dir / "summary.json").read_text())
+            summary = json.loads((self.run_dir / SUMMARY).read_text())
         except (OSError, ValueError):
             return {"run_dir": str(self.run_dir), "status": "running or no summary yet"}
         keep = ("status", "groups_written", "groups_dropped", "drop_reasons", "learner_steps", "written", "dropped")

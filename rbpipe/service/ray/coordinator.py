@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
+from rbpipe.rundir import SHARD_LOGS
 from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
 from rbpipe.service.ray.session import init_ray, use_loopback
 from rbpipe.service.ray.shards import RESTART_WAIT_S, RegistryAwaitsOptions, ShardedRegistry, ShardHost
@@ -23,12 +24,12 @@ STATS_WAIT_S = 0.05
 #: ... when it saves the run's final counters (its close): a shard Ray restarts on a cold worker takes seconds.
 CLOSE_STATS_WAIT_S = 20.0
 #: The shards' log directory of a service started with a random prefix (:meth:`RayManager.start`).
-_SESSION_LOGS = re.compile(r"[0-9a-f]{8}-shards")
+_SESSION_LOGS = re.compile(SHARD_LOGS.format(prefix="[0-9a-f]{8}-"))
 
 
 def shard_log_dir(log_dir: str | os.PathLike[str], prefix: str) -> Path:
     """Where the shards of the service named by ``prefix`` log their state changes."""
-    return Path(log_dir) / f"{prefix}shards"
+    return Path(log_dir) / SHARD_LOGS.format(prefix=prefix)
 
 
 def remove_session_logs(log_dir: str | os.PathLike[str]) -> list[str]:

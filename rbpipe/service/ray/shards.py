@@ -21,6 +21,7 @@ import zlib
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
+from rbpipe.rundir import SHARD_LOG
 from rbpipe.service.ray.common import COORDINATOR_NAME, _get, _Proxy, _ray
 from rbpipe.service.ray.shardlog import LOGGED, call_record, open_record, options_fingerprint, read_log
 
@@ -106,7 +107,7 @@ class ShardHost:
             from rbpipe.system import fault_hooks
 
             fault_hooks.hold_shard_restart(lambda: _ray().get_runtime_context().was_current_actor_reconstructed)
-            path = Path(log_dir) / f"shard-{index}.log"
+            path = Path(log_dir) / SHARD_LOG.format(index=index)
             path.parent.mkdir(parents=True, exist_ok=True)
             self.replayed = self._replay(path)
             self._log = open(path, "ab")  # noqa: SIM115 - open for the actor's life

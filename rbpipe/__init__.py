@@ -35,7 +35,7 @@ def __getattr__(name: str):
 #: module paths that README.md, examples/ and docs/RAY.md name from before the package was sorted into rooms
 #: (issue 34). Importing one (or a module below it) gives the module at its new path: the same object, so
 #: isinstance, pickling and monkeypatching agree. No file stays at the old path.
-MOVED = {"rbpipe.schema": "rbpipe.trajectory", "rbpipe.query": "rbpipe.cli.query",
+MOVED = {"rbpipe.schema": "rbpipe.trajectory", "rbpipe.query": "rbpipe.storage.query",
          "rbpipe.procs": "rbpipe.system.procs", "rbpipe.rayengine": "rbpipe.service.ray"}
 
 

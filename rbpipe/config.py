@@ -10,7 +10,7 @@ from typing import Any
 
 from rbpipe.demo.policy import PolicyConfig
 from rbpipe.errors import ConfigError
-from rbpipe.task_spec import DEFAULT_TASK, normalize_spec
+from rbpipe.model.task_spec import DEFAULT_TASK, normalize_spec
 
 #: The objective's settings that differ from ``LossConfig``'s. Token-level rollout importance sampling corrects for
 #: the learner training on groups a policy one version old sampled: on the demo task the one-process loop fed such
@@ -32,7 +32,7 @@ class RunConfig:
     candidate_group_size: int | None = None
     selector: str = "balanced"
     # task and rollouts
-    task: str = DEFAULT_TASK  # task spec (rbpipe.task_spec): every process builds the task from this string
+    task: str = DEFAULT_TASK  # task spec (rbpipe.model.task_spec): every process builds the task from this string
     model: str | None = None  # local Hugging Face model directory; None = the built-in tiny Qwen2 (``demo.policy``)
     # where models run (rbpipe.model.device): the learner and, unless collector_device says otherwise, the collectors
     device: str = "cpu"
@@ -164,7 +164,7 @@ class RunConfig:
 
             assert self.prompt_key is not None and self.reward is not None  # (checked at construction)
             return DataFileTask(self.prompts, self.prompt_key, self.reward, seed=self.seed)
-        from rbpipe.task_spec import load_task
+        from rbpipe.model.task_spec import load_task
 
         return load_task(self.task, seed=self.seed)
 

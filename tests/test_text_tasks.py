@@ -113,8 +113,8 @@ def _import(path: Path, name: str):
 
 def stored(store: Path) -> list[dict]:
     """Every stored trajectory: token ids from the store itself, texts and finish reasons from ``rbpipe query``."""
-    from rbpipe.cli.query import query
     from rbpipe.storage import open_storage
+    from rbpipe.storage.query import query
 
     storage = open_storage(store)
     rows = storage.get(torch.arange(len(storage))).unbind(0)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from rbpipe.demo.policy import max_positions
 from rbpipe.errors import BadTrajectoryError
+from rbpipe.model.limits import max_positions
 from rbpipe.model.rollout import Rollouts
 from rbpipe.service.clients import CollectorClient
 from rbpipe.system.procs import run_worker, settle_heap

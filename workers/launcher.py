@@ -22,13 +22,13 @@ from typing import Any
 
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError
+from rbpipe.model.task_spec import check_task_fits
 from rbpipe.rundir import CONFIG, METRICS, PID_STARTS, PIDS, PLOT, RAY_WORKERS, RUN, STORE, SUMMARY
 from rbpipe.service.clients import check_store_path, open_run_store
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.system.fsutil import atomic_write_json
 from rbpipe.system.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
-from rbpipe.task_spec import check_task_fits
 from rbpipe.tracking.checkpoint import load_checkpoint
 from rbpipe.tracking.memory import record_peak, session_peaks
 from rbpipe.tracking.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar

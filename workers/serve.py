@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
 from rbpipe.errors import ManagerDiedError
-from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import AUTHKEY, ENDPOINT, METRICS, RATE_LIMIT, STAGING
 from rbpipe.service.endpoint import REGISTRY_NAME, new_authkey, write_endpoint
+from rbpipe.service.host import open_coordinator
 from rbpipe.service.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from rbpipe.tracking.checkpoint import load_checkpoint
 from rbpipe.tracking.metrics_log import truncate_metrics

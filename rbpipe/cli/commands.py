@@ -557,8 +557,8 @@ def _inspect(args) -> int:
 def _group_texts(store: Path, groups: list[dict]) -> dict[int, list[dict]]:
     """``{seq: [member rows]}`` of ``groups`` from the ``trajectories`` view: the columns of
     :data:`rbpipe.cli.tables.TEXT_COLUMNS` that the store has."""
-    from rbpipe.cli.query import query
     from rbpipe.cli.tables import TEXT_COLUMNS
+    from rbpipe.storage.query import query
 
     seqs = sorted({int(g["seq"]) for g in groups})
     if not seqs:
@@ -574,10 +574,11 @@ def _group_texts(store: Path, groups: list[dict]) -> dict[int, list[dict]]:
 
 
 def _query(args) -> int:
-    from rbpipe.cli.query import query, to_csv, to_json, to_text
+    from rbpipe.cli.tables import query_text
+    from rbpipe.storage.query import query, to_csv, to_json
 
     table = query(args.store, args.sql)
-    print(to_json(table) if args.json else to_csv(table).rstrip("\n") if args.csv else to_text(table))
+    print(to_json(table) if args.json else to_csv(table).rstrip("\n") if args.csv else query_text(table))
     return 0
 
 

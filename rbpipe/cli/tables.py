@@ -119,3 +119,10 @@ def format_texts(group: dict[str, Any], members: list[dict[str, Any]], width: in
             out += block(m["text_response"], "    ")
     return "\n".join(out)
 
+
+def query_text(table: Any) -> str:
+    """A ``rbpipe query`` result (a ``pyarrow.Table``) aligned for people (long cells wrap onto continuation
+    lines)."""
+    from rbpipe.storage.query import _rows
+
+    return format_table(table.column_names, _rows(table))

@@ -8,10 +8,10 @@ log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -112,19 +112,6 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
         raise ConfigError(f"--model {path}: cannot load the {what} ({type(err).__name__}: {text}); pass a "
                           "causal-LM directory saved with save_pretrained() together with its tokenizer") from err
     return model.float().eval(), tokenizer
-
-
-def vocab_size(model: torch.nn.Module) -> int:
-    """Token ids a model can embed (the limit a task's prompts must respect)."""
-    # torch types a module attribute as ``Tensor | Module``: this one is transformers' method
-    get_embeddings = cast("Callable[[], torch.nn.Embedding]", model.get_input_embeddings)
-    return int(get_embeddings().weight.shape[0])
-
-
-def max_positions(model: torch.nn.Module) -> int | None:
-    """The longest sequence the model's position embeddings cover, when its config says."""
-    value = getattr(model.config, "max_position_embeddings", None)
-    return int(value) if value else None
 
 
 def build_learner_actor(model: torch.nn.Module, tokenizer: Any = None):

@@ -67,7 +67,7 @@ class DataFileTask:
     """
 
     def __init__(self, path: str | Path, prompt_key: str, reward: str, seed: int = 0) -> None:
-        from rbpipe.task_spec import load_callable
+        from rbpipe.model.task_spec import load_callable
 
         self.path, self.prompt_key, self.seed = Path(path), prompt_key, int(seed)
         self.rows = read_rows(self.path)

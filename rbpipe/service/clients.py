@@ -19,11 +19,11 @@ import torch
 from rbpipe.config import RunConfig
 from rbpipe.errors import BadTrajectoryError, ConfigError, RbpipeError, StoreError
 from rbpipe.grouping.manager import call
+from rbpipe.model.task_spec import normalize_spec
 from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import RATE_LIMIT, STAGING
 from rbpipe.service.endpoint import REGISTRY_NAME, Attachment, attach
 from rbpipe.service.weights import SharedWeights
-from rbpipe.task_spec import normalize_spec
 from rbpipe.trajectory import GROUP_KEY, RAGGED_KEYS
 
 #: On Ray, a waiting ``take_many`` asks again after this long (its coordinator actor cannot hold a call open).

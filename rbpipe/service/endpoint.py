@@ -112,7 +112,8 @@ def attach(target: str | os.PathLike, authkey_file: str | None = None) -> Attach
     or refuses the key."""
     from multiprocess import AuthenticationError
 
-    from rbpipe.grouping.manager import connect_manager, open_coordinator, open_registry
+    from rbpipe.grouping.manager import connect_manager, open_registry
+    from rbpipe.service.host import open_coordinator
 
     target = str(target)
     address: Any = parse_address(target)

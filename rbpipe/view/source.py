@@ -1,7 +1,7 @@
 """What the viewer shows, as plain JSON-ready dicts: pages of groups, one group's members, the plot's numbers.
 
 One :class:`StoreView` per store serves the live server and the ``--html`` writer alike, so the page shows the
-same thing in both. The groups come from the ``groups`` view of ``rbpipe query`` (``rbpipe.cli.query.groups_table``:
+same thing in both. The groups come from the ``groups`` view of ``rbpipe query`` (``rbpipe.storage.query.groups_table``:
 every committed group, complete at every commit) and filters are DuckDB conditions over it (and over the
 ``trajectories`` view through a subquery), evaluated server-side with ``LIMIT``/``OFFSET`` so that a page of a
 100,000-group store costs the browser a hundred rows. Everything is read-only: the commit log is opened
@@ -74,7 +74,7 @@ def _connect():
 
 def _catalog_rows(records: list[dict]) -> pa.Table:
     """The ``groups`` view's rows (without ``live``) of these group records, built by the catalogue's own
-    code so that the columns are exactly those of ``rbpipe query`` (``rbpipe.cli.query.groups_table``)."""
+    code so that the columns are exactly those of ``rbpipe query`` (``rbpipe.storage.query.groups_table``)."""
     from rbpipe.storage.catalog import _catalog_table  # read_catalog's row builder, for records already read
 
     table = _catalog_table({r["seq"]: r for r in records}, -1)
@@ -209,7 +209,7 @@ class StoreView:
 
     def _trajectories_table(self) -> pa.Table:
         """The whole ``trajectories`` view, built only when a filter names it and kept until the store changes."""
-        from rbpipe.cli.query import trajectories_table
+        from rbpipe.storage.query import trajectories_table
 
         if self._trajectories is None or self._trajectories[0] != self._version:
             self._trajectories = (self._version, trajectories_table(self.store))

@@ -1,5 +1,7 @@
 """The package's imports run one way (no cycle, function-level imports included; the storage package checked
-alone too), and grouping never imports storage (docs/STORAGE.md)."""
+alone too), the rooms of the package (its folders and root modules) import only rooms in a lower layer
+(docs/ARCHITECTURE.md), and grouping never imports storage (docs/STORAGE.md). ``workers/`` is scanned as
+``rbpipe.workers`` (``rbpipe/workers`` links to it)."""
 
 from __future__ import annotations
 
@@ -77,10 +79,40 @@ def test_no_module_is_on_an_import_cycle(scope):
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+#: The rooms of the package, bottom up: a room imports only rooms of lower layers (never one of its own layer,
+#: never one above). A room is a folder of ``rbpipe`` or a module at its root.
+LAYERS = (
+    ("rbpipe", "errors", "members", "rundir"),  # the package's lazy exports; nouns that import nothing of rbpipe
+    ("trajectory", "system", "rate_limit"),  # the trajectory's keys, OS plumbing, the limiter
+    ("storage", "grouping", "loss", "model", "tracking"),  # persist groups, decide them, train, sample, bookkeeping
+    ("sampling", "buffer", "demo", "view"),  # what is built on them: the sampler, the buffer, the demo, the viewer
+    ("config",),  # every knob of a run
+    ("service",),  # the shared state of a run (both engines)
+    ("workers",),  # the processes
+    ("cli",),  # the commands
+)
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def test_every_module_belongs_to_a_declared_room():
+    declared = {room for layer in LAYERS for room in layer}
+    assert {_room(m) for m in _graph()} == declared
+
+
+def test_rooms_import_only_rooms_below_them():
+    layer = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+    upward = sorted(f"{a} -> {d}" for a, deps in _graph().items() for d in deps
+                    if _room(a) != _room(d) and layer[_room(d)] >= layer[_room(a)])
+    assert not upward, "imports of a room in the same or a higher layer: " + "; ".join(upward)
+
+
 def test_the_graph_scans_the_workers():
     graph = _graph()
     assert {"rbpipe.workers.serve", "rbpipe.workers.launcher"} <= set(graph)
-    assert "rbpipe.service.coordinator" in graph["rbpipe.workers.serve"] | graph["rbpipe.grouping.manager"]
+    assert "rbpipe.service.host" in graph["rbpipe.workers.serve"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

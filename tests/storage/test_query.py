@@ -1,13 +1,13 @@
-"""``rbpipe.cli.query``: DuckDB views over a store agree with what the storage itself reads back."""
+"""``rbpipe.storage.query``: DuckDB views over a store agree with what the storage itself reads back."""
 
 from __future__ import annotations
 
 import pytest
 from helpers_storage import llm_group
 
-from rbpipe.cli.query import query
 from rbpipe.errors import StoreError
 from rbpipe.storage import ArrowStorage, ZarrStorage
+from rbpipe.storage.query import query
 
 RAGGED = [("tokens", "prompt"), ("tokens", "response"), ("log_probs", "rollout")]
 

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rbpipe.cli.tables import VIEWS_HELP  # noqa: F401  (re-exported: the views' documentation)
 from rbpipe.errors import StoreError
 
 _SCALAR_DTYPES = {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
@@ -221,9 +220,3 @@ def to_csv(table: pa.Table) -> str:
                          for v in r])
     return buf.getvalue()
 
-
-def to_text(table: pa.Table) -> str:
-    """An aligned table for people (long cells wrap onto continuation lines)."""
-    from rbpipe.cli.tables import format_table
-
-    return format_table(table.column_names, _rows(table))

@@ -181,8 +181,8 @@ def check_task_fits(task: Task, spec: str, model: torch.nn.Module, max_new_token
     with ``tokenizer`` and its chat template), and each plus ``max_new_tokens`` fits the model's positions (a
     misfit would otherwise fail inside every worker). Later prompts that do not fit are dropped by the
     collectors, counted as ``prompt_too_long``."""
-    from rbpipe.demo.policy import max_positions, vocab_size
     from rbpipe.model.chat import PromptEncoder
+    from rbpipe.model.limits import max_positions, vocab_size
 
     label = label or f"--task {spec}"
     encoder = PromptEncoder(tokenizer, chat_template=chat_template, task_name=label) if tokenizer is not None else None

@@ -103,9 +103,9 @@ def import_pipeline() -> None:
     (torch, torchrl, transformers, once; a no-op worker waits until it has). Without this the first seed alone
     would pay them (later ones reuse all)."""
     import matplotlib.pyplot  # noqa: F401 - imported for its import time
-    from rbpipe.workers.launcher import check_task_and_model
 
     from rbpipe.procs import worker_context
+    from rbpipe.workers.launcher import check_task_and_model
 
     check_task_and_model(RunConfig())
 

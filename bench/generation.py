@@ -49,8 +49,8 @@ def _time(fn) -> float:
 
 def generation(model, tokenizer, *, batch: int, prompt_len: int, new_tokens: int, repeats: int,
                temperature: float) -> dict:
-    """tokens/s of :func:`rbpipe.generation.generate` and of ``model.generate`` (sampling, KV cache)."""
-    from rbpipe.generation import Sampling, generate
+    """tokens/s of :func:`rbpipe.model.generation.generate` and of ``model.generate`` (sampling, KV cache)."""
+    from rbpipe.model.generation import Sampling, generate
 
     vocab = int(model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +89,7 @@ def learner(model, tokenizer, *, rows: int, prompt_len: int, new_tokens: int, re
 
     from rbpipe.demo.policy import build_learner_actor
     from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
-    from rbpipe.schema import make_trajectory
+    from rbpipe.trajectory import make_trajectory
 
     vocab = int(model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(1)

@@ -48,7 +48,7 @@ def _rows(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int):
     import torch
     from tensordict import lazy_stack
 
-    from rbpipe.schema import make_trajectory
+    from rbpipe.trajectory import make_trajectory
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -79,7 +79,7 @@ def run_variant(variant: str, args) -> dict:
     from rbpipe.config import DEFAULT_LOSS
     from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
     from rbpipe.loss.batch import auto_micro_batches
-    from rbpipe.memory import peak_rss_mb
+    from rbpipe.tracking.memory import peak_rss_mb
 
     torch.set_num_threads(args.threads)
     model = _model(args.model).float().train()

@@ -19,7 +19,7 @@ from torchrl.objectives.llm import GRPOLoss
 from rbpipe.demo.policy import build_learner_actor, build_model, sample_responses
 from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss
-from rbpipe.schema import make_trajectory
+from rbpipe.trajectory import make_trajectory
 
 
 def make_batch(model, actor, ref_actor, rows: int):

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rbpipe.rayengine import use_loopback  # noqa: E402
+from rbpipe.service.ray import use_loopback  # noqa: E402
 
 use_loopback()  # before Ray is imported (torchrl imports it when installed): a private instance on lo only
 
@@ -103,7 +103,7 @@ def bench_local(writers_list, seconds: float, root: Path) -> list[dict]:
 def bench_ray(writers_list, shards_list, seconds: float, root: Path) -> tuple[list[dict], dict]:
     import ray
 
-    from rbpipe.rayengine import RayManager
+    from rbpipe.service.ray import RayManager
 
     ray.init(num_cpus=max(writers_list), include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level="WARNING")
@@ -131,7 +131,7 @@ def shard_ceiling(root: Path, n: int = 3000, window: int = 200) -> dict:
     import ray
 
     from rbpipe.grouping.registry import encode_tensor
-    from rbpipe.rayengine import RayManager
+    from rbpipe.service.ray import RayManager
 
     manager = RayManager.start(shards=1, log_dir=str(root))
     try:

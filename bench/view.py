@@ -1,7 +1,7 @@
 """Viewer benchmark: what a page of ``rbpipe view`` costs on a large store, against the plain read path.
 
 A store of N demo-like groups (8 members, token-only; written untimed) is read two ways, in one run:
-* ``baseline``: ``rbpipe.query.query`` per request, what a page would cost if it ran ``rbpipe query`` for each
+* ``baseline``: ``rbpipe.storage.query.query`` per request, what a page would cost if it ran ``rbpipe query`` for each
   (every call re-reads the commit log; a group's members come from the whole ``trajectories`` view);
 * ``ours``: one :class:`rbpipe.view.source.StoreView` as the server keeps it (the log read once, then a
   ``stat`` per poll; the page's groups' members read from their own record batches).
@@ -42,8 +42,8 @@ def _store(path: Path, groups: int) -> float:
     sys.path.insert(0, str(ROOT / "tests"))
     from view_helpers import token_group
 
-    from rbpipe.schema import RAGGED_KEYS
     from rbpipe.storage import ArrowStorage
+    from rbpipe.trajectory import RAGGED_KEYS
 
     t = time.perf_counter()
     made = [token_group(i, n=8) for i in range(64)]
@@ -64,7 +64,7 @@ def main() -> int:
     args = ap.parse_args()
     n = args.groups or (10_000 if args.quick else 100_000)
     reps = args.reps or (3 if args.quick else 5)
-    from rbpipe.query import query
+    from rbpipe.storage.query import query
     from rbpipe.view.source import StoreView
 
     tmp = Path(tempfile.mkdtemp(prefix="rbpipe-bench-view-"))

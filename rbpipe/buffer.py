@@ -35,9 +35,9 @@ from torchrl.objectives.llm import MCAdvantage
 from rbpipe.errors import BadTrajectoryError, ConfigError, StoreError
 from rbpipe.grouping import SharedMCAdvantage, bridged_reduce, connect_manager, start_manager
 from rbpipe.grouping.bridge import spawning
-from rbpipe.schema import GROUP_KEY
 from rbpipe.storage.collate import collate_identity
 from rbpipe.storage.protocol import is_group_store
+from rbpipe.trajectory import GROUP_KEY
 
 __all__ = ["GroupReplayBuffer", "GroupWriteError", "make_replay_buffer", "allocate_storage", "start_manager",
            "connect_manager"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from rbpipe.demo.policy import PolicyConfig
 from rbpipe.errors import ConfigError
-from rbpipe.task_spec import DEFAULT_TASK, normalize_spec
+from rbpipe.model.task_spec import DEFAULT_TASK, normalize_spec
 
 #: The objective's settings that differ from ``LossConfig``'s. Token-level rollout importance sampling corrects for
 #: the learner training on groups a policy one version old sampled: on the demo task the one-process loop fed such
@@ -32,9 +32,9 @@ class RunConfig:
     candidate_group_size: int | None = None
     selector: str = "balanced"
     # task and rollouts
-    task: str = DEFAULT_TASK  # task spec (rbpipe.task_spec): every process builds the task from this string
+    task: str = DEFAULT_TASK  # task spec (rbpipe.model.task_spec): every process builds the task from this string
     model: str | None = None  # local Hugging Face model directory; None = the built-in tiny Qwen2 (``demo.policy``)
-    # where models run (rbpipe.device): the learner and, unless collector_device says otherwise, the collectors
+    # where models run (rbpipe.model.device): the learner and, unless collector_device says otherwise, the collectors
     device: str = "cpu"
     collector_device: str | None = None  # None: --device
     dtype: str = "float32"  # collectors' weights; the learner keeps float32 weights and autocasts to this
@@ -96,7 +96,7 @@ class RunConfig:
             raise ConfigError(f"--max-policy-lag must be >= 0 (0: train only on groups of the current policy), "
                               f"got {self.max_policy_lag}")
         self.check_rate_limit()
-        from rbpipe.metrics_log import check_logger
+        from rbpipe.tracking.metrics_log import check_logger
 
         check_logger(self.logger)
         if self.target_reward is not None and not math.isfinite(self.target_reward):
@@ -105,7 +105,7 @@ class RunConfig:
             raise ConfigError(f"--lr must be >= 0, got {self.lr}")
         if self.temperature <= 0:
             raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
-        from rbpipe.device import check_device, check_dtype
+        from rbpipe.model.device import check_device, check_dtype
 
         self.device = check_device("--device", self.device)
         if self.collector_device is not None:
@@ -122,7 +122,7 @@ class RunConfig:
     def _check_text_options(self) -> None:
         """``--prompts``/``--prompt-key``/``--reward`` come together, instead of ``--task``; sampling bounds."""
         if self.prompts is not None:
-            from rbpipe.data_task import SUFFIXES
+            from rbpipe.model.data_task import SUFFIXES
 
             path = Path(self.prompts).expanduser().resolve()
             if path.suffix not in SUFFIXES:
@@ -160,18 +160,18 @@ class RunConfig:
     def make_task(self):
         """The run's task, built from its spec or data file (each process builds its own)."""
         if self.prompts is not None:
-            from rbpipe.data_task import DataFileTask
+            from rbpipe.model.data_task import DataFileTask
 
             assert self.prompt_key is not None and self.reward is not None  # (checked at construction)
             return DataFileTask(self.prompts, self.prompt_key, self.reward, seed=self.seed)
-        from rbpipe.task_spec import load_task
+        from rbpipe.model.task_spec import load_task
 
         return load_task(self.task, seed=self.seed)
 
     def sampling(self, tokenizer=None, model=None):
-        """The collectors' :class:`~rbpipe.generation.Sampling`: the run's temperature, top-k/p and cap, stopping
+        """The collectors' :class:`~rbpipe.model.generation.Sampling`: the run's temperature, top-k/p and cap, stopping
         at the tokenizer's and the model's EOS ids and at ``--stop`` strings."""
-        from rbpipe.generation import Sampling, stop_token_ids
+        from rbpipe.model.generation import Sampling, stop_token_ids
 
         return Sampling(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                         top_p=self.top_p, stop_ids=stop_token_ids(tokenizer, model), stop_strings=tuple(self.stop))
@@ -192,7 +192,7 @@ class RunConfig:
     def check_devices(self) -> None:
         """Refuse (one line) a CUDA device this machine's torch cannot use; workers placed elsewhere (Ray) are
         checked where they run."""
-        from rbpipe.device import check_available
+        from rbpipe.model.device import check_available
 
         check_available("--device", self.device)
         if self.collector_device is not None:
@@ -209,15 +209,15 @@ class RunConfig:
 
     def collector_model_and_tokenizer(self, *, with_tokenizer: bool = True):
         """:meth:`collector_model` with the model's tokenizer."""
-        from rbpipe.device import place
+        from rbpipe.model.device import place
 
         model, tokenizer = self.make_model_and_tokenizer(with_tokenizer=with_tokenizer)
         return place(model, self.collectors_device, self.dtype), tokenizer
 
     def learner_model_and_tokenizer(self):
         """The learner's model on ``--device`` with float32 (master) weights, whatever ``--dtype``; its forward
-        pass autocasts to ``--dtype`` (:func:`rbpipe.device.autocast`)."""
-        from rbpipe.device import place
+        pass autocasts to ``--dtype`` (:func:`rbpipe.model.device.autocast`)."""
+        from rbpipe.model.device import place
 
         model, tokenizer = self.make_model_and_tokenizer()
         return place(model, self.device, "float32"), tokenizer

@@ -33,7 +33,6 @@ from rbpipe.errors import ConfigError
 
 _EPS = 1e-9
 SAMPLE_SOURCES = 2  # slots of resolved groups: 0 learner (trained + stale), 1 launcher (dropped)
-RATE_LIMIT_FILE = "rate_limit.bin"  # a run's band, in its run directory
 
 
 def check_settings(samples_per_insert: float, error_buffer: float, min_size_to_sample: int,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from rbpipe.background import BackgroundJobs, snapshot
+from rbpipe.tracking.background import BackgroundJobs, snapshot
 
 
 def test_jobs_run_in_submission_order_and_close_waits_for_the_queued_ones():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rbpipe.cli import main
+from rbpipe.cli.commands import main
 from rbpipe.config import RunConfig
 from rbpipe.demo.policy import build_learner_actor, build_model
 from rbpipe.errors import ConfigError
@@ -43,7 +43,7 @@ def test_stress_rejects_impossible_arguments_in_one_line(argv, words, capsys):
 
 
 def test_inspect_of_an_unknown_group_says_so_and_fails(tmp_path, capsys):
-    from rbpipe.stress import _open_storage
+    from rbpipe.cli.stress import _open_storage
 
     _open_storage(tmp_path / "store").close()
     code = main(["inspect", str(tmp_path / "store"), "--group", "999999"])
@@ -121,7 +121,7 @@ def make_store(path: Path, grpo_size: int = 4, groups: int = 2) -> Path:
     """A store with a few whole groups, written in this process (no pipeline run needed)."""
     from tensordict import lazy_stack
 
-    from rbpipe.stress import _open_storage, make_payload_trajectory
+    from rbpipe.cli.stress import _open_storage, make_payload_trajectory
 
     storage = _open_storage(path)
     for g in range(groups):
@@ -180,7 +180,7 @@ def test_export_twice_to_one_output_is_refused(tmp_path, capsys):
 
 def test_resume_drops_metrics_past_the_checkpoint(tmp_path):
     """Steps after the checkpoint are trained again on resume: each must be logged once (a torn line goes)."""
-    from rbpipe.workers.learner import truncate_metrics
+    from rbpipe.tracking.metrics_log import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew')

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rbpipe.cli import build_parser, main
+from rbpipe.cli.commands import build_parser, main
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError
 
@@ -74,7 +74,7 @@ def test_inspect_of_a_path_that_is_not_a_store_is_a_clear_error(tmp_path, capsys
     (["--target-reward", "none"], None, 600),
 ])
 def test_the_default_run_stops_at_the_target_and_steps_alone_runs_them_all(argv, target, steps):
-    from rbpipe.cli import build_parser, explicit_options, run_config
+    from rbpipe.cli.commands import build_parser, explicit_options, run_config
 
     parser = build_parser()
     args = parser.parse_args(["run", *argv])
@@ -87,7 +87,7 @@ def test_the_default_run_stops_at_the_target_and_steps_alone_runs_them_all(argv,
 def test_rollout_importance_sampling_is_on_by_default_in_a_run_and_in_the_library(argv, level):
     """A pipeline's learner trains on groups one policy version old: token-level rollout IS corrects for it by
     default, the same in ``rbpipe run`` as in a ``RunConfig`` built in Python (the benchmarks' runs)."""
-    from rbpipe.cli import build_parser, explicit_options, run_config
+    from rbpipe.cli.commands import build_parser, explicit_options, run_config
     from rbpipe.config import RunConfig
 
     parser = build_parser()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rbpipe.demo.policy import PolicyConfig, build_model, build_tokenizer
-from rbpipe.schema import (
+from rbpipe.trajectory import (
     GROUP_KEY,
     PROMPT_TOKENS_KEY,
     RESPONSE_TOKENS_KEY,
@@ -196,7 +196,7 @@ def _bad_model_dirs(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.timeout(60)
 def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_starts(tmp_path, task_file,
                                                                                     monkeypatch, capsys):
-    from rbpipe.cli import main
+    from rbpipe.cli.commands import main
 
     monkeypatch.chdir(tmp_path)  # a default run directory would appear under ./runs
     cases = [
@@ -224,7 +224,7 @@ def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_start
 def test_the_built_in_task_is_a_spec_and_specs_survive_the_saved_config(tmp_path, task_file):
     from rbpipe.config import RunConfig
     from rbpipe.demo.task import CopyFirstDigitTask
-    from rbpipe.task_spec import DEFAULT_TASK, load_task
+    from rbpipe.model.task_spec import DEFAULT_TASK, load_task
 
     assert RunConfig().task == DEFAULT_TASK == "rbpipe.demo.task:CopyFirstDigitTask"
     built = load_task(DEFAULT_TASK, seed=5)
@@ -238,7 +238,7 @@ def test_the_built_in_task_is_a_spec_and_specs_survive_the_saved_config(tmp_path
 
 def test_a_config_saved_before_the_demo_package_loads_its_task_under_the_new_name():
     from rbpipe.config import RunConfig
-    from rbpipe.task_spec import DEFAULT_TASK, load_task, normalize_spec
+    from rbpipe.model.task_spec import DEFAULT_TASK, load_task, normalize_spec
 
     old = "rbpipe.task:CopyFirstDigitTask"  # the built-in task's spec before rbpipe/demo/
     assert RunConfig.from_json({**RunConfig().to_json(), "task": old}).task == DEFAULT_TASK
@@ -247,7 +247,7 @@ def test_a_config_saved_before_the_demo_package_loads_its_task_under_the_new_nam
 
 
 def test_the_example_task_loads_from_its_spec_and_fits_the_built_in_model():
-    from rbpipe.task_spec import check_task_fits, load_task
+    from rbpipe.model.task_spec import check_task_fits, load_task
 
     example = Path(__file__).resolve().parents[1] / "examples" / "custom_task.py"
     task = load_task(f"{example}:NextDigitTask", seed=0)

@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 
-from rbpipe.cli import main
+from rbpipe.cli.commands import main
 from rbpipe.config import RunConfig
 from rbpipe.demo.policy import build_learner_actor, build_model, build_tokenizer, load_pretrained
-from rbpipe.device import autocast
 from rbpipe.errors import ConfigError
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
+from rbpipe.model.device import autocast
 from tests.loss.test_response_masks import eos_rows
 
 

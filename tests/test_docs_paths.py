@@ -56,7 +56,8 @@ def test_every_module_a_document_names_imports(doc):
 
 
 def _is_module(name: str) -> bool:
-    """``rbpipe.background.BackgroundJobs``: ``find_spec`` raises (not None) below a module that is no package."""
+    """``rbpipe.tracking.background.BackgroundJobs``: ``find_spec`` raises (not None) below a module that is no
+    package."""
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:

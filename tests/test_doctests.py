@@ -26,7 +26,8 @@ MODULES = _modules_with_examples()
 
 
 def test_the_library_has_examples():
-    assert {"rbpipe.coordinator", "rbpipe.fsutil", "rbpipe.rate_limit", "rbpipe.storage.arrow"} <= set(MODULES)
+    assert {"rbpipe.service.coordinator", "rbpipe.system.fsutil", "rbpipe.rate_limit",
+            "rbpipe.storage.arrow"} <= set(MODULES)
 
 
 @pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rbpipe.cli import main
+from rbpipe.cli.commands import main
 from rbpipe.errors import ConfigError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,8 +106,8 @@ def cache(tmp_path_factory):
 def test_the_real_gguf_loads_trains_and_checkpoints(cache, tmp_path):
     from rbpipe.config import RunConfig
     from rbpipe.demo.policy import build_learner_actor, load_pretrained
-    from rbpipe.gguf import DONE, converted_dir
     from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
+    from rbpipe.model.gguf import DONE, converted_dir
     from tests.loss.test_response_masks import eos_rows
 
     gguf = smollm2_gguf()
@@ -165,7 +165,7 @@ def test_a_short_text_run_of_the_real_gguf_stores_what_was_said_within_its_memor
     from ``text_prompt``/``text_response``, conservation holds, and the learner's peak memory stays within 2x
     its parameters, gradients and Adam states."""
     from rbpipe.demo.policy import load_pretrained
-    from rbpipe.generation import LENGTH, STOP, stop_token_ids
+    from rbpipe.model.generation import LENGTH, STOP, stop_token_ids
     from tests.test_text_tasks import _import, stored
 
     gguf = smollm2_gguf()

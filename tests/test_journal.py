@@ -8,9 +8,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rbpipe.coordinator import PROMPTS, Coordinator
 from rbpipe.grouping.leases import LEASES
-from rbpipe.journal import StateJournal, load_state
+from rbpipe.service.coordinator import PROMPTS, Coordinator
+from rbpipe.service.journal import StateJournal, load_state
 
 STATES = st.lists(st.dictionaries(st.sampled_from(["next_prompt", "todo", "totals"]),
                                   st.integers(0, 10**6) | st.dictionaries(st.text("0123456789", min_size=1),

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rbpipe.errors import ConfigError
-from rbpipe.metrics_log import MetricsSink, check_logger, scalars
+from rbpipe.tracking.metrics_log import MetricsSink, check_logger, scalars
 
 RECORDS = [{"step": s, "time_s": 0.1 * s, "reward_mean": 0.25 * s, "clip_fraction": 0.0, "kl_approx": 1e-3,
             "entropy": 2.5, "train/kl1": 0.0, "learner/busy_fraction": 0.5, "trained_groups": [[s, 8, 1]]}

@@ -12,7 +12,7 @@ import pytest
 # not importorskip: the test extra installs tensorboard, and a missing reader must fail loudly
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rbpipe.progress import PHASES
+from rbpipe.tracking.progress import PHASES
 
 CLI = [sys.executable, "-m", "rbpipe.cli"]
 
@@ -76,7 +76,7 @@ def test_sql_count_of_trajectories_equals_the_summarys_written(tb_run):
 
 
 def test_phase_follows_the_learners_published_phase_then_its_steps():
-    from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY, LEARNER_STARTING, phase
+    from rbpipe.tracking.progress import LEARNER_COMPILING, LEARNER_READY, LEARNER_STARTING, phase
 
     assert phase(LEARNER_STARTING, 0, 0) == "starting processes"
     assert phase(LEARNER_COMPILING, 0, 0) == "compiling kernels"
@@ -88,7 +88,7 @@ def test_phase_follows_the_learners_published_phase_then_its_steps():
 def test_reward_plot_gets_a_timing_panel_once_busy_fraction_and_lag_are_measured(tmp_path):
     import matplotlib.image
 
-    from rbpipe.report import plot_rewards
+    from rbpipe.tracking.report import plot_rewards
 
     plain = [{"step": i, "reward_mean": 0.1 * i} for i in range(1, 6)]
     timed = [dict(r, **{"learner/busy_fraction": 0.5, "learner/policy_lag": 1.0}) for r in plain]

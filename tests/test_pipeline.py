@@ -93,8 +93,8 @@ def test_stored_groups_are_whole_cross_writer_and_correctly_normalised(short_run
 def check_trained_rows(run_dir: Path, groups: int) -> None:
     """The learner trained on exactly the rows the collectors stored: its per-group fingerprints in
     ``metrics.jsonl`` (``trained_groups``) against ones computed here, row by row, from the store."""
-    from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY
     from rbpipe.storage import open_storage
+    from rbpipe.trajectory import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY
 
     storage = open_storage(run_dir / "store")
     stored: dict[int, list[int]] = {}

@@ -13,10 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "storage"))
 from helpers_storage import llm_group  # noqa: E402
 
-from rbpipe.cli import build_parser, main  # noqa: E402
-from rbpipe.query import query  # noqa: E402
-from rbpipe.schema import RAGGED_KEYS  # noqa: E402
+from rbpipe.cli.commands import build_parser, main  # noqa: E402
 from rbpipe.storage import ArrowStorage  # noqa: E402
+from rbpipe.storage.query import query  # noqa: E402
+from rbpipe.trajectory import RAGGED_KEYS  # noqa: E402
 
 
 @pytest.fixture

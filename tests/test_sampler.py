@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torchrl.data import ReplayBuffer
 
 from rbpipe.sampling import FreshGroupSampler
-from rbpipe.schema import GROUP_KEY, RAGGED_KEYS, make_trajectory
 from rbpipe.storage import ArrowStorage, collate_identity
+from rbpipe.trajectory import GROUP_KEY, RAGGED_KEYS, make_trajectory
 
 
 def group(gid: int, size: int, version: int):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rbpipe.errors import BadTrajectoryError
-from rbpipe.schema import make_trajectory, validate_trajectory
+from rbpipe.trajectory import make_trajectory, validate_trajectory
 
 
 def good(**overrides):

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rbpipe.coordinator import Coordinator
 from rbpipe.grouping.leases import LEASES
-from rbpipe.journal import load_state
-from rbpipe.schema import COLLECTOR_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY
+from rbpipe.service.coordinator import Coordinator
+from rbpipe.service.journal import load_state
+from rbpipe.trajectory import COLLECTOR_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY
 from tests.test_custom_task_model import stored_rows
 
 CLI = [sys.executable, "-m", "rbpipe.cli"]
@@ -94,7 +94,7 @@ def test_a_waiting_take_is_answered_when_the_learner_moves_the_band_or_a_stop_is
     the learner trains); a stop request answers a waiting ask at once, with nothing."""
     import threading
 
-    import rbpipe.coordinator as coordinator_module
+    import rbpipe.service.coordinator as coordinator_module
 
     monkeypatch.setattr(coordinator_module, "MAX_TAKE_WAIT_S", 60.0)  # only a wake-up ends these waits in time
     coord = Coordinator(2, 2, BAND, str(tmp_path))
@@ -370,7 +370,7 @@ def test_a_unit_handed_over_in_one_call_keeps_its_good_trajectories_and_counts_t
     line) while the good ones are handed over; the summary's books balance."""
     import rbpipe
     from rbpipe.errors import BadTrajectoryError
-    from rbpipe.schema import make_trajectory
+    from rbpipe.trajectory import make_trajectory
 
     run_dir = tmp_path / "run"
     serve = _serve_one_collector(run_dir)

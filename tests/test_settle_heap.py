@@ -7,7 +7,7 @@ import sys
 
 CHILD = """
 import gc
-from rbpipe.procs import GC_YOUNG_THRESHOLD, settle_heap
+from rbpipe.system.procs import GC_YOUNG_THRESHOLD, settle_heap
 
 model = [["layer", i] for i in range(1000)]  # what a worker builds at start-up (lists: always tracked)
 settle_heap()

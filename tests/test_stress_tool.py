@@ -9,7 +9,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from rbpipe.stress import format_stress_table, run_stress
+from rbpipe.cli.stress import format_stress_table, run_stress
 
 
 @pytest.mark.timeout(120)
@@ -25,7 +25,7 @@ def test_stall_timer_starts_once_the_writers_are_up(tmp_path):
 def test_a_failed_stress_run_says_why_and_where_its_store_is(tmp_path, monkeypatch):
     import tempfile
 
-    import rbpipe.stress as stress
+    import rbpipe.cli.stress as stress
 
     monkeypatch.setattr(stress, "STARTUP_TIMEOUT_S", 0.05)  # no writer can be up this fast: a stall
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the store kept for inspection: in tmp_path
@@ -61,7 +61,7 @@ def _stress_dirs(root) -> list:
 def test_a_failed_writer_leaves_no_temporary_directory(tmp_path, monkeypatch):
     import tempfile
 
-    import rbpipe.stress as stress
+    import rbpipe.cli.stress as stress
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     # a share whose trajectory cannot be built: the writer exits with an error

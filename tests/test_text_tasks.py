@@ -21,7 +21,7 @@ import torch
 from text_model import EOS_ID, chat_model, chat_tokenizer, save_chat_model
 
 from rbpipe.errors import ConfigError
-from rbpipe.generation import LENGTH, STOP, Sampling, generate
+from rbpipe.model.generation import LENGTH, STOP, Sampling, generate
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "2",
        "--groups-per-step", "2", "--grpo-size", "4", "--max-new-tokens", "24", "--lr", "1e-3"]
@@ -113,8 +113,8 @@ def _import(path: Path, name: str):
 
 def stored(store: Path) -> list[dict]:
     """Every stored trajectory: token ids from the store itself, texts and finish reasons from ``rbpipe query``."""
-    from rbpipe.query import query
     from rbpipe.storage import open_storage
+    from rbpipe.storage.query import query
 
     storage = open_storage(store)
     rows = storage.get(torch.arange(len(storage))).unbind(0)
@@ -201,8 +201,8 @@ def test_a_stop_string_ends_the_response_at_the_token_that_completes_it():
 
 
 def test_text_prompts_go_through_the_chat_template_and_messages_need_one():
-    from rbpipe.chat import PromptEncoder
     from rbpipe.demo.policy import build_tokenizer
+    from rbpipe.model.chat import PromptEncoder
 
     tokenizer = chat_tokenizer()
     enc = PromptEncoder(tokenizer).encode("say 4")
@@ -219,7 +219,7 @@ def test_text_prompts_go_through_the_chat_template_and_messages_need_one():
 
 
 def test_rewards_that_raise_hang_or_return_nan_are_failures_and_the_others_go_on():
-    from rbpipe.rewards import REWARD_ERROR, REWARD_NOT_A_NUMBER, REWARD_TIMEOUT, Failed, call_rewards
+    from rbpipe.model.rewards import REWARD_ERROR, REWARD_NOT_A_NUMBER, REWARD_TIMEOUT, Failed, call_rewards
 
     release = threading.Event()
     try:
@@ -232,8 +232,8 @@ def test_rewards_that_raise_hang_or_return_nan_are_failures_and_the_others_go_on
 
 
 def test_a_failed_reward_is_counted_and_its_sample_drawn_again_so_the_group_completes(tmp_path):
-    from rbpipe.generation import stop_token_ids
-    from rbpipe.rollout import PROMPT_TOO_LONG, Rollouts
+    from rbpipe.model.generation import stop_token_ids
+    from rbpipe.model.rollout import PROMPT_TOO_LONG, Rollouts
 
     calls = {"n": 0}
 
@@ -262,7 +262,7 @@ def test_a_failed_reward_is_counted_and_its_sample_drawn_again_so_the_group_comp
 
 @pytest.mark.timeout(120)
 def test_bad_text_input_is_a_one_line_error_before_anything_is_written(tmp_path, monkeypatch, capsys):
-    from rbpipe.cli import main
+    from rbpipe.cli.commands import main
 
     monkeypatch.chdir(tmp_path)
     model = save_chat_model(tmp_path / "model")
@@ -355,7 +355,7 @@ def test_prompts_from_a_data_file_reward_with_the_rows_other_columns(tmp_path):
     rows = stored(Path(summary["store"]))
     check_responses(rows, 24)
     score = _import(reward_path, "my_reward_check").score
-    from rbpipe.data_task import DataFileTask
+    from rbpipe.model.data_task import DataFileTask
 
     task = DataFileTask(jsonl, "q", f"{reward_path}:score")
     for r in rows:

@@ -18,9 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from view_helpers import listing, make_store  # noqa: E402
 
-from rbpipe.cli import main  # noqa: E402
+from rbpipe.cli.commands import main  # noqa: E402
 from rbpipe.errors import StoreError  # noqa: E402
-from rbpipe.query import query  # noqa: E402
+from rbpipe.storage.query import query  # noqa: E402
 from rbpipe.view.source import StoreView, resolve_store  # noqa: E402
 
 CLI = [sys.executable, "-m", "rbpipe.cli"]
@@ -104,9 +104,9 @@ def test_the_view_follows_a_writer(tmp_path):
     rebuilds it from the whole log, and a page opened earlier stays put."""
     from view_helpers import token_group
 
-    from rbpipe.query import groups_table
-    from rbpipe.schema import RAGGED_KEYS
     from rbpipe.storage import ArrowStorage
+    from rbpipe.storage.query import groups_table
+    from rbpipe.trajectory import RAGGED_KEYS
 
     store = ArrowStorage(tmp_path / "store", ragged_keys=RAGGED_KEYS, max_size=40)  # retention: 10 groups
     try:

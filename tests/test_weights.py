@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rbpipe.demo.policy import PolicyConfig, build_model, flat_parameters
-from rbpipe.weights import SharedWeights
+from rbpipe.service.weights import SharedWeights
 
 
 def _reader(weights: SharedWeights, out) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tensordict import NonTensorData, lazy_stack
 
-from rbpipe.schema import RAGGED_KEYS, make_trajectory
+from rbpipe.trajectory import RAGGED_KEYS, make_trajectory
 
 
 def token_group(gid: int, n: int = 4, version: int = 1):

@@ -1,17 +1,10 @@
 """Process wiring for ``rbpipe run``: collector, learner and launcher/supervisor. No algorithms live here.
 
-This folder sits at the top of the repository but installs as ``rbpipe.workers`` (never as a top-level
-``workers`` package): ``pyproject.toml`` maps it with ``package-dir = {"rbpipe.workers" = "workers"}``.
-
-* A wheel (or ``pip install .``) copies it to ``rbpipe/workers/``.
-* An editable install (``pip install -e .``) cannot copy it, so setuptools installs a meta-path finder
-  (``__editable___rbpipe_*_finder.py``, loaded by a ``.pth`` file at start-up, so also in spawned children
-  and Ray workers) whose mapping names ``rbpipe.workers`` -> this folder. Python asks that finder after the
-  normal path search, so ``rbpipe.workers`` resolves even when ``rbpipe`` itself is imported from the
-  current directory (the repository root), whose ``rbpipe/`` has no ``workers``: ``rbpipe.__path__`` is
-  searched first, finds nothing, and the editable finder answers. ``rbpipe/__init__.py`` needs no
-  ``__path__`` change. Keep ``rbpipe/workers/`` from existing in the source tree: even an empty leftover
-  folder there would be found first, as a namespace package, and hide this one.
+This folder sits at the top of the repository but is the package ``rbpipe.workers`` (never a top-level
+``workers`` package): ``rbpipe/workers`` is a relative symbolic link to it. Every tool then sees an ordinary
+subpackage: setuptools' package discovery follows the link (a wheel holds the files under ``rbpipe/workers/``),
+an editable install imports it through ``rbpipe``'s own folder, and mypy and the import-graph test check it
+with the rest of the package (docs/ARCHITECTURE.md, 'Packaging').
 
 Import it as ``rbpipe.workers.<module>`` everywhere (imports, spawn targets, docs).
 """

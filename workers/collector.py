@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from rbpipe.clients import CollectorClient
-from rbpipe.demo.policy import max_positions
 from rbpipe.errors import BadTrajectoryError
-from rbpipe.memory import PeakMemory
-from rbpipe.procs import run_worker, settle_heap
-from rbpipe.rollout import Rollouts
-from rbpipe.schema import FINISH_REASON_KEY
+from rbpipe.model.limits import max_positions
+from rbpipe.model.rollout import Rollouts
+from rbpipe.service.clients import CollectorClient
+from rbpipe.system.procs import run_worker, settle_heap
+from rbpipe.tracking.memory import PeakMemory
+from rbpipe.trajectory import FINISH_REASON_KEY
 
 #: How long one ask waits for prompts to open while the rate limit holds them back (the service answers as soon
 #: as the learner moves the band; the collector checks for a stop request in between).
@@ -33,7 +33,7 @@ TAKE_WAIT_S = 0.1
 def run_collector(target: str | Path, collector_id: int | None = None, *, task: str | None = None,
                   model: str | None = None, authkey_file: str | None = None, log=print, announce: bool = True) -> None:
     """Generate and hand over work units until the service asks its workers to stop. It tunes its process
-    for the loop: one torch thread, and :func:`rbpipe.procs.settle_heap` (garbage collection) once set up."""
+    for the loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage collection) once set up."""
     torch.set_num_threads(1)  # one core per process; avoids oversubscription on small machines
     client = CollectorClient(target, authkey_file=authkey_file, collector_id=collector_id, task=task, model=model)
     try:
@@ -101,5 +101,5 @@ def _store_takes(storage, key) -> bool:
 
 
 def collector_entry(target: str, collector_id: int) -> None:
-    """Process target of ``rbpipe run`` (see :func:`rbpipe.procs.run_worker`)."""
+    """Process target of ``rbpipe run`` (see :func:`rbpipe.system.procs.run_worker`)."""
     run_worker(f"collector {collector_id}", functools.partial(run_collector, announce=False), target, collector_id)

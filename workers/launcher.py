@@ -1,7 +1,7 @@
 """Launcher and supervisor: ``rbpipe run`` (a service plus its collectors and learner) and ``rbpipe serve``
 (the service alone, for workers that attach from elsewhere); both watch the run and write its summary.
 
-Start method: ``multiprocess``'s **fork server** (:func:`rbpipe.procs.worker_context`). A plain fork would
+Start method: ``multiprocess``'s **fork server** (:func:`rbpipe.system.procs.worker_context`). A plain fork would
 copy a parent that already ran multi-threaded torch ops (a child can then hang in OpenMP while holding a write
 lock) and share lazily-allocated storages by accident; the fork server only imported the heavy modules, so
 each worker starts clean without importing them again, and every shared object travels explicitly (manager
@@ -20,21 +20,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rbpipe.workers.collector import collector_entry
-from rbpipe.workers.learner import METRICS, learner_entry, load_checkpoint
-from rbpipe.workers.serve import Service
-
-from rbpipe.clients import check_store_path, open_run_store
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError
-from rbpipe.fsutil import atomic_write_json
-from rbpipe.memory import record_peak, session_peaks
-from rbpipe.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
-from rbpipe.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar
-from rbpipe.progress import SUMMARY as WRITING_SUMMARY
-from rbpipe.report import (
-    PLOT,
-    SUMMARY,
+from rbpipe.model.task_spec import check_task_fits
+from rbpipe.rundir import CONFIG, METRICS, PID_STARTS, PIDS, PLOT, RAY_WORKERS, RUN, STORE, SUMMARY
+from rbpipe.service.clients import check_store_path, open_run_store
+from rbpipe.storage import WriterLock
+from rbpipe.storage.catalog import repair_catalog
+from rbpipe.system.fsutil import atomic_write_json
+from rbpipe.system.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
+from rbpipe.tracking.checkpoint import load_checkpoint
+from rbpipe.tracking.memory import record_peak, session_peaks
+from rbpipe.tracking.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar
+from rbpipe.tracking.progress import SUMMARY as WRITING_SUMMARY
+from rbpipe.tracking.report import (
     MetricsTail,
     first_last_fraction,
     last_mean,
@@ -43,14 +42,10 @@ from rbpipe.report import (
     summary_table,
     timing_summary,
 )
-from rbpipe.storage import WriterLock
-from rbpipe.storage.catalog import repair_catalog
-from rbpipe.task_spec import check_task_fits
+from rbpipe.workers.collector import collector_entry
+from rbpipe.workers.learner import learner_entry
+from rbpipe.workers.serve import Service
 
-CONFIG = "config.json"
-RAY_WORKERS = "ray_workers.json"  # --engine ray: the namespace and where each worker actor was placed
-PIDS = "pids.json"  # {name: pid} of the run's processes (launcher, manager, learner, collectors)
-PID_STARTS = "pid_starts.json"  # {name: start time in clock ticks}: tells a live process from a recycled pid
 SUPERVISE_POLL_S = 0.1  # the supervisor's look at the service: a finished run is wound down this soon after
 STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
 #: A stop's bounded waits (docs/DESIGN.md, "Stopping"): workers get STOP_GRACE_S to finish their step (a second
@@ -142,7 +137,7 @@ def _prepare_resume(run_dir: Path, steps: int | None) -> tuple[RunConfig, Path]:
     cfg = RunConfig.from_json(json.loads((run_dir / CONFIG).read_text()))
     if steps is not None:
         cfg.steps = steps  # extend (or shorten) the resumed run; saved once the store is ours
-    return cfg, Path(json.loads((run_dir / "run.json").read_text())["store"])
+    return cfg, Path(json.loads((run_dir / RUN).read_text())["store"])
 
 
 def _prepare_new(run_dir: Path | None, store: Path | None) -> tuple[Path, Path]:
@@ -153,7 +148,7 @@ def _prepare_new(run_dir: Path | None, store: Path | None) -> tuple[Path, Path]:
     if (run_dir / CONFIG).exists():
         raise ConfigError(f"--run-dir {run_dir} already holds a run: continue it with `rbpipe run --resume "
                           f"{run_dir}`, or pass a new --run-dir")
-    store = Path(store) if store is not None else run_dir / "store"
+    store = Path(store) if store is not None else run_dir / STORE
     check_store_path(store)
     return run_dir, store
 
@@ -231,7 +226,7 @@ def launch(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: 
     (:class:`StopRequest`) and every worker dies with the launcher, however it ends.
 
     ``engine="ray"`` runs the grouping shards, the coordinator, the collectors and the learner as Ray actors
-    (:mod:`rbpipe.rayengine`); ``ray``: ``{"address": ADDR or None (a private loopback instance),
+    (:mod:`rbpipe.service.ray`); ``ray``: ``{"address": ADDR or None (a private loopback instance),
     "grouping_shards": K, "num_cpus": per worker, "resources": {"learner": {...}, "collectors": [...]}}``.
     """
     return _open_and_run(cfg, run_dir=run_dir, store=store, resume=resume, steps=steps, progress=progress,
@@ -276,7 +271,7 @@ def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progr
             if resume is None or steps is not None:
                 cfg.save(run_dir / CONFIG)
             if resume is None:
-                (run_dir / "run.json").write_text(json.dumps({"store": str(store)}))
+                (run_dir / RUN).write_text(json.dumps({"store": str(store)}))
         except BaseException:
             lock.release()
             raise
@@ -307,7 +302,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
     try:
         stop_request.check()
         if engine == "ray":
-            from rbpipe.rayengine import RaySession
+            from rbpipe.service.ray import RaySession
 
             session = RaySession(ray.get("address"), num_cpus=max(2, cfg.collectors + 1)).start()
             ctx.namespace = session.namespace
@@ -389,10 +384,9 @@ def _ray_context(cfg: RunConfig, ray: dict):
     run (without the process-level wrapping: Ray owns the actor's process)."""
     import functools
 
+    from rbpipe.service.ray import RayContext, parse_resources
     from rbpipe.workers.collector import run_collector
     from rbpipe.workers.learner import run_learner
-
-    from rbpipe.rayengine import RayContext, parse_resources
 
     resources = ray.get("resources")
     resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -19,56 +18,30 @@ import torch
 from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
 
-from rbpipe import fault_hooks
-from rbpipe.background import BackgroundJobs, snapshot
-from rbpipe.clients import LearnerClient
 from rbpipe.demo.policy import build_learner_actor
-from rbpipe.device import autocast
-from rbpipe.errors import RbpipeError
-from rbpipe.fsutil import atomic_write
 from rbpipe.loss import build_loss_batch, make_loss, train_step
 from rbpipe.loss.batch import auto_micro_batches, row_sums
-from rbpipe.memory import PeakMemory
-from rbpipe.metrics_log import MetricsSink
-from rbpipe.procs import run_worker, settle_heap
-from rbpipe.progress import LEARNER_COMPILING, LEARNER_READY
+from rbpipe.model.device import autocast
+from rbpipe.model.truncation import truncated_fraction, warn_truncated
+from rbpipe.rundir import METRICS
 from rbpipe.sampling import FreshGroupSampler
-from rbpipe.schema import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
-from rbpipe.step_stop import StepAbandoned, StepStop
+from rbpipe.service.clients import LearnerClient
 from rbpipe.storage import collate_identity
-from rbpipe.truncation import truncated_fraction, warn_truncated
+from rbpipe.system import fault_hooks
+from rbpipe.system.procs import run_worker, settle_heap
+from rbpipe.system.step_stop import StepAbandoned, StepStop
+from rbpipe.tracking.background import BackgroundJobs, snapshot
+from rbpipe.tracking.checkpoint import load_checkpoint, save_checkpoint
+from rbpipe.tracking.memory import PeakMemory
+from rbpipe.tracking.metrics_log import MetricsSink, truncate_metrics
+from rbpipe.tracking.progress import LEARNER_COMPILING, LEARNER_READY
+from rbpipe.trajectory import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
 #: How often a learner waiting for groups looks at the store again: a check costs ~0.1 ms (one fstat when
 #: nothing was committed), and at the limiter's 5 ms a step whose groups came 0.5 ms late lost 5 ms
 WAIT_POLL_S = 0.001
 #: weights + Adam states above this are checkpointed without a background copy (the copy doubles their memory)
 SNAPSHOT_LIMIT_BYTES = 256e6
-
-
-def save_checkpoint(run_dir: Path, state: dict) -> None:
-    """Write-then-rename (:func:`rbpipe.fsutil.atomic_write`, fsynced): a crash leaves the previous checkpoint
-    intact."""
-    atomic_write(run_dir / CHECKPOINT, lambda tmp: torch.save(state, tmp))
-
-
-def load_checkpoint(run_dir: Path) -> dict | None:
-    """The run's latest checkpoint (``None`` if there is none yet): tensors, numbers, lists and dicts only
-    (``weights_only=True``: nothing else is unpickled). ``--resume`` (the service publishes its policy and
-    version) and a learner that attaches to a run with a checkpoint (a resumed run, or a learner actor that
-    Ray restarted) both start from it."""
-    import pickle
-
-    ckpt = Path(run_dir) / CHECKPOINT
-    if not ckpt.exists():
-        return None
-    try:
-        return torch.load(ckpt, weights_only=True)
-    except pickle.UnpicklingError as err:  # refused, not executed
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RbpipeError(f"checkpoint {ckpt} holds objects other than tensors and plain values ({first}); "
-                          "rbpipe writes only those: move the file away to start this run's learner afresh") from None
 
 
 def run_learner(target: str | Path, *, authkey_file: str | None = None, model: str | None = None,
@@ -78,7 +51,7 @@ def run_learner(target: str | Path, *, authkey_file: str | None = None, model: s
     ``restarted``: this process replaces a learner that died (a learner actor restarted by Ray): it waits for
     the dead one's lease to expire instead of being refused the learner role, then resumes from the checkpoint.
 
-    It tunes its process for the loop: one torch thread, and :func:`rbpipe.procs.settle_heap` (garbage
+    It tunes its process for the loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage
     collection) once set up."""
     torch.set_num_threads(1)
     client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task, wait_for_role=restarted)
@@ -151,7 +124,7 @@ def _train(client: LearnerClient) -> None:
     large_state = sum(p.numel() for p in model.parameters()) * 12 > SNAPSHOT_LIMIT_BYTES
 
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
-    # SIGTERM abandons the step in progress where that is safe (rbpipe.step_stop); a stop the service asks for
+    # SIGTERM abandons the step in progress where that is safe (rbpipe.system.step_stop); a stop the service asks for
     # (Ctrl-C of `rbpipe run`) lets it finish
     stop = StepStop(model, optimizer).install()
     delay, held = fault_hooks.step_delay(), fault_hooks.hold_after_step()
@@ -222,7 +195,7 @@ def _train(client: LearnerClient) -> None:
                     checkpoint()
                 if reached:
                     break
-                if held is not None and step == held[0]:  # a fault test's fixed point (rbpipe.fault_hooks)
+                if held is not None and step == held[0]:  # a fault test's fixed point (rbpipe.system.fault_hooks)
                     jobs.drain()  # its metrics line and checkpoint are on disk
                     fault_hooks.hold(held[1], stopping.is_set)
         except StepAbandoned:  # SIGTERM: model and optimizer are the last finished step's; its groups go back
@@ -246,24 +219,6 @@ class _Stopping:
 
     def is_set(self) -> bool:
         return self.stop.requested or self.client.is_set()
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics records past ``step`` (the checkpoint a resume starts from): the steps after it are
-    trained again, and each must appear once in ``metrics.jsonl``. A torn last line goes too."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step", 0) <= step and line.endswith("\n"):
-            keep.append(line)
-    if len(keep) != len(lines):
-        atomic_write(path, "".join(keep), fsync=False)
 
 
 def _progress(sampler: FreshGroupSampler) -> dict[str, int]:
@@ -318,5 +273,5 @@ def _group_fingerprints(rows) -> list[list[int]]:
 
 
 def learner_entry(target: str) -> None:
-    """Process target of ``rbpipe run`` (see :func:`rbpipe.procs.run_worker`)."""
+    """Process target of ``rbpipe run`` (see :func:`rbpipe.system.procs.run_worker`)."""
     run_worker("learner", functools.partial(run_learner, announce=False), target)

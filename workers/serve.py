@@ -2,7 +2,7 @@
 
 The service holds the store's writer lock and starts the grouping manager (registry + coordinator), publishes
 the policy's weights, and writes ``RUN_DIR/endpoint.json`` and the key (``RUN_DIR/authkey``, mode 0600).
-Collectors and the learner attach to it through that file (:func:`rbpipe.endpoint.attach`), whether
+Collectors and the learner attach to it through that file (:func:`rbpipe.service.endpoint.attach`), whether
 ``rbpipe run`` spawned them or a user started them from another shell: both paths run the same code.
 """
 
@@ -16,20 +16,21 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rbpipe.workers.learner import METRICS, load_checkpoint, truncate_metrics
-
 from rbpipe.buffer import make_replay_buffer, start_manager
 from rbpipe.config import RunConfig
-from rbpipe.endpoint import AUTHKEY, ENDPOINT, REGISTRY_NAME, new_authkey, write_endpoint
 from rbpipe.errors import ManagerDiedError
-from rbpipe.grouping.manager import open_coordinator
-from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
-from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
+from rbpipe.rate_limit import RateLimiter
+from rbpipe.rundir import AUTHKEY, ENDPOINT, METRICS, RATE_LIMIT, STAGING
+from rbpipe.service.endpoint import REGISTRY_NAME, new_authkey, write_endpoint
+from rbpipe.service.host import open_coordinator
+from rbpipe.service.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
+from rbpipe.tracking.checkpoint import load_checkpoint
+from rbpipe.tracking.metrics_log import truncate_metrics
 
 if TYPE_CHECKING:
     from rbpipe.buffer import GroupReplayBuffer
     from rbpipe.grouping.manager import GroupingManager
-    from rbpipe.rayengine import RayManager, RayWeights
+    from rbpipe.service.ray import RayManager, RayWeights
 
 
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
@@ -74,8 +75,8 @@ class Service:
         cfg = self.cfg
         checkpoint = load_checkpoint(self.run_dir)  # a bad one is refused before anything starts
         key = new_authkey(self.run_dir)
-        if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.rayengine); Ray is connected
-            from rbpipe.rayengine import RayManager, remove_session_logs
+        if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.service.ray); Ray is connected
+            from rbpipe.service.ray import RayManager, remove_session_logs
 
             stale = remove_session_logs(self.run_dir)  # a killed session's (we hold the store's writer lock)
             if stale:
@@ -83,7 +84,7 @@ class Service:
             self.manager = RayManager.start(shards=self.grouping_shards, log_dir=str(self.run_dir))
         else:
             self.manager = start_manager(address=self.listen, authkey=key)
-        self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / "staging",
+        self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / STAGING,
                                          name=REGISTRY_NAME, **cfg.grouping_kwargs())
         self.rows_at_start = len(self.storage)
         self.requeued, self.torn, staged = self.buffer.requeue_staged()  # queued again, not lost
@@ -97,7 +98,7 @@ class Service:
         model = cfg.make_model()
         numel = sum(p.numel() for p in model.parameters())
         if self.engine == "ray":  # one ray.put per version, the ref held by the coordinator actor
-            from rbpipe.rayengine import RayWeights
+            from rbpipe.service.ray import RayWeights
 
             self.weights = RayWeights(self.manager.coordinator_actor, numel)
             weights_spec = {"engine": "ray", "numel": numel}
@@ -175,9 +176,9 @@ class Service:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             if self.engine == "ray":  # the shards' logs: a resumed run requeues from the staging area instead
-                from rbpipe.rayengine import shard_log_dir
+                from rbpipe.service.ray import shard_log_dir
 
                 shutil.rmtree(shard_log_dir(self.run_dir, self.manager.prefix), ignore_errors=True)
         if self.weights is not None:
             self.weights.unlink()
-        (self.run_dir / RATE_LIMIT_FILE).unlink(missing_ok=True)
+        (self.run_dir / RATE_LIMIT).unlink(missing_ok=True)

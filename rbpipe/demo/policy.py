@@ -8,10 +8,10 @@ log-probs through torchrl's ``TransformersWrapper`` (``generate=False``), which 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -68,7 +68,7 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
     ``.gguf`` file (``--model PATH``).
 
     Never downloads (``local_files_only``): a run must not depend on the network. A GGUF file is converted
-    once into a plain directory that every later load reads (:mod:`rbpipe.gguf`). The weights come back in
+    once into a plain directory that every later load reads (:mod:`rbpipe.model.gguf`). The weights come back in
     float32 whatever dtype the directory was saved in: the learner's optimizer needs float32 master weights,
     and collectors cast to ``--dtype`` themselves. Any failure is a one-line :class:`~rbpipe.errors.ConfigError`.
 
@@ -85,7 +85,7 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rbpipe.errors import ConfigError
-    from rbpipe.gguf import ensure_converted, is_gguf
+    from rbpipe.model.gguf import ensure_converted, is_gguf
 
     path = Path(path).expanduser()
     if is_gguf(path):
@@ -112,19 +112,6 @@ def load_pretrained(path: str | Path, *, with_tokenizer: bool = True) -> tuple[t
         raise ConfigError(f"--model {path}: cannot load the {what} ({type(err).__name__}: {text}); pass a "
                           "causal-LM directory saved with save_pretrained() together with its tokenizer") from err
     return model.float().eval(), tokenizer
-
-
-def vocab_size(model: torch.nn.Module) -> int:
-    """Token ids a model can embed (the limit a task's prompts must respect)."""
-    # torch types a module attribute as ``Tensor | Module``: this one is transformers' method
-    get_embeddings = cast("Callable[[], torch.nn.Embedding]", model.get_input_embeddings)
-    return int(get_embeddings().weight.shape[0])
-
-
-def max_positions(model: torch.nn.Module) -> int | None:
-    """The longest sequence the model's position embeddings cover, when its config says."""
-    value = getattr(model.config, "max_position_embeddings", None)
-    return int(value) if value else None
 
 
 def build_learner_actor(model: torch.nn.Module, tokenizer: Any = None):
@@ -157,9 +144,9 @@ def sample_batch(model: torch.nn.Module, prompts: Sequence[torch.Tensor], counts
 
     A tiny model's forward costs about the same for 4 rows as for 32, so a collector that generates several
     work units at once pays for one. Every response is ``max_new_tokens`` long (no stop token); responses that
-    stop at EOS or a stop string come from :func:`rbpipe.generation.generate`, which this calls.
+    stop at EOS or a stop string come from :func:`rbpipe.model.generation.generate`, which this calls.
     """
-    from rbpipe.generation import Sampling, generate
+    from rbpipe.model.generation import Sampling, generate
 
     out = generate(model, prompts, counts, Sampling(max_new_tokens=max_new_tokens, temperature=temperature),
                    pad_id=PAD_ID, generator=generator)

@@ -2,7 +2,7 @@
 
 A prompt is ``<bos> d1 d2 ... dk =`` with 2-5 random digits (so prompts have ragged lengths);
 the reward is 1.0 when the first response token is ``d1``, else 0.0. A random policy scores ~0.07.
-It is the default ``--task``, spelled ``rbpipe.demo.task:CopyFirstDigitTask`` (see :mod:`rbpipe.task_spec`).
+It is the default ``--task``, spelled ``rbpipe.demo.task:CopyFirstDigitTask`` (see :mod:`rbpipe.model.task_spec`).
 """
 
 from __future__ import annotations

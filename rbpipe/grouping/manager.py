@@ -12,7 +12,7 @@ import secrets
 import select
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from multiprocess import connection as _mp_connection
 from multiprocess import managers as _mp_managers
@@ -21,11 +21,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
-from rbpipe.procs import MAIN_GUARD_HINT, die_with_parent, settle_heap, use_owned_socket_dir, worker_context
-from rbpipe.service_api import COORDINATOR_EXPOSED
-
-if TYPE_CHECKING:
-    from rbpipe.rayengine import RayManager  # the same registry/coordinator interface, over Ray actors
+from rbpipe.system.procs import MAIN_GUARD_HINT, die_with_parent, settle_heap, use_owned_socket_dir, worker_context
 
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
@@ -159,17 +155,7 @@ class GroupingManager(BaseManager):
 GroupingManager.register("get_registry", callable=get_registry, proxytype=RegistryProxy,
                          exposed=GroupRegistry.exposed)
 
-
-def _get_coordinator(name: str, settings: dict | None = None):
-    from rbpipe.coordinator import get_coordinator  # manager-side: only a service's manager builds one
-
-    return get_coordinator(name, settings)
-
-
-CoordinatorProxy = MakeProxyType("CoordinatorProxy", COORDINATOR_EXPOSED)
-CoordinatorProxy.__module__ = __name__
-GroupingManager.register("get_coordinator", callable=_get_coordinator, proxytype=CoordinatorProxy,
-                         exposed=COORDINATOR_EXPOSED)
+# The service registers its coordinator on this manager (rbpipe.service.host): grouping does not know the service.
 
 
 # -- a forked child never uses its parent's connection -----------------------------------------------------------
@@ -220,7 +206,7 @@ def _init_manager_process(owner: int | None = None) -> None:
     torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
     # A process inherits its starter's temporary directory setting, and the starter's directory also holds the
     # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes, or, after a
-    # SIGKILL, the next sweep (rbpipe.procs.sweep_orphaned_socket_dirs)
+    # SIGKILL, the next sweep (rbpipe.system.procs.sweep_orphaned_socket_dirs)
     use_owned_socket_dir(replace=True)
     mp_util.Finalize(None, _clean_up, exitpriority=-1)  # a normal shutdown removes temporary staging too
     if owner is not None:
@@ -230,7 +216,7 @@ def _init_manager_process(owner: int | None = None) -> None:
 
 
 def start_manager(*, address: tuple[str, int] | str | None = None, authkey: bytes | None = None) -> GroupingManager:
-    """Start a grouping manager process (forked by the fork server, :func:`rbpipe.procs.worker_context`).
+    """Start a grouping manager process (forked by the fork server, :func:`rbpipe.system.procs.worker_context`).
     Shut it down with ``manager.shutdown()``.
 
     ``address=None`` listens on a Unix socket in a private temporary directory where the platform has them
@@ -279,32 +265,33 @@ def call(proxy, method: str, *args, **kwargs):
             "are re-queued from the staging directory when the run is resumed)") from err
 
 
-def open_registry(manager: GroupingManager | RayManager, name: str, options: dict | None = None, shards: int = 16,
+class RegistryHost(Protocol):
+    """What hosts grouping registries: :class:`GroupingManager`, or the Ray engine's ``RayManager`` (the same
+    interface over Ray actors, :mod:`rbpipe.service.ray`)."""
+
+    def get_registry(self, name: str, options: dict | None = None, shards: int = 16,
+                     staging: dict | None = None) -> Any: ...
+
+
+def get_proxy(manager: Any, method: str, *args: Any, died: str = "Is it still running?") -> Any:
+    """``manager.<method>(*args)``, a proxy, over a connection of this process's own (not one inherited through
+    a fork); a manager that is gone raises :class:`ManagerDiedError` (``died`` says what to check)."""
+    if _CONNECTION_PID != os.getpid():
+        _forget_connections()
+    try:
+        return getattr(manager, method)(*args)
+    except _DIED as err:
+        raise ManagerDiedError(f"cannot reach the grouping manager: {err}. {died}") from err
+
+
+def open_registry(manager: RegistryHost, name: str, options: dict | None = None, shards: int = 16,
                   staging: dict | None = None):
     """Proxy to the registry ``name`` in ``manager`` (created with ``options`` if new; joining one with other
     options or another staging directory raises :class:`ConfigError`). ``staging``: ``{"path": str,
     "temporary": bool}`` of the opener's staging directory."""
-    if _CONNECTION_PID != os.getpid():
-        _forget_connections()
-    try:
-        proxy = manager.get_registry(name, options, shards, staging)
-    except _DIED as err:
-        raise ManagerDiedError(f"cannot reach the grouping manager: {err}. Is it still running?") from err
+    proxy = get_proxy(manager, "get_registry", name, options, shards, staging)
     problem = join_problem(name, call(proxy, "join_info"), options, staging)
     if problem is not None:
         raise ConfigError(problem)
     return proxy
 
-
-def open_coordinator(manager: GroupingManager | RayManager, name: str, settings: dict | None = None):
-    """Proxy to the service's :class:`~rbpipe.coordinator.Coordinator` of registry ``name`` (created with
-    ``settings``, after the registry, by the service; joined by workers)."""
-    if _CONNECTION_PID != os.getpid():
-        _forget_connections()
-    try:
-        return manager.get_coordinator(name, settings)
-    except _DIED as err:
-        raise ManagerDiedError(f"cannot reach the grouping manager: {err}. Is the service still running?") from err
-    except RemoteError as err:
-        raise ConfigError(f"the manager at {manager.address} runs no rbpipe service ({name!r}): attach to the "
-                          "address `rbpipe serve` wrote in RUN_DIR/endpoint.json") from err

@@ -50,7 +50,7 @@ from tensordict import TensorDict, lazy_stack
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
 from rbpipe.grouping.leases import LEASES, LeaseTable
-from rbpipe.schema import numpy_view
+from rbpipe.trajectory import numpy_view
 
 _G, _R, _D, _A, _H = "group", "reward", "done", "advantage", "handle"
 

@@ -79,7 +79,7 @@ from tensordict.utils import is_non_tensor
 
 from rbpipe.errors import BadTrajectoryError, RbpipeError
 from rbpipe.grouping.registry import decode_tensor
-from rbpipe.procs import shared_memory_dir
+from rbpipe.system.procs import shared_memory_dir
 
 
 class StagingError(RbpipeError):
@@ -759,7 +759,7 @@ def _release_own(path: str) -> bool:
 def _sweep(root: str) -> int:
     """Unlink released files in ``root``'s subdirectories whose owners are gone (their lock is free), and
     those subdirectories once nothing else is left in them; returns how many files."""
-    from rbpipe.procs import pid_alive
+    from rbpipe.system.procs import pid_alive
 
     n = 0
     with os.scandir(root) as it:

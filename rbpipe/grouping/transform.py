@@ -46,7 +46,7 @@ from rbpipe.grouping.staging import (
     temporary_staging_parent,
 )
 from rbpipe.members import concat_leaves
-from rbpipe.schema import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
+from rbpipe.trajectory import GROUP_KEY, REQUIRED_KEYS, flat_reward, leaf_steps, numpy_view, validate_trajectory
 
 
 def refuse_stdlib_spawn() -> None:
@@ -63,7 +63,8 @@ def refuse_stdlib_spawn() -> None:
         raise ConfigError(f"a SharedMCAdvantage (or a buffer holding one) cannot be sent to a child started by "
                           f"stdlib/torch multiprocessing with the {method!r} start method: it could not "
                           "authenticate to the grouping manager. Start writers with the `multiprocess` package "
-                          "(rbpipe.procs.worker_context(), or multiprocess.get_context('spawn'|'forkserver'|'fork')), "
+                          "(rbpipe.system.procs.worker_context(), or "
+                          "multiprocess.get_context('spawn'|'forkserver'|'fork')), "
                           "or with a stdlib/torch 'fork' context, or join from the child with connect_manager")
 
 

@@ -14,7 +14,7 @@ from rbpipe.errors import ConfigError
 from rbpipe.loss.logprobs import IGNORE_INDEX, TOKENS_FULL, covers, sft_distribution
 from rbpipe.loss.metrics import MetricsAccumulator
 from rbpipe.loss.module import REF_KEY, ROLLOUT_FULL_KEY, LossInputError, RbpipeGRPOLoss
-from rbpipe.schema import ADVANTAGE_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, ROLLOUT_LOG_PROBS_KEY
+from rbpipe.trajectory import ADVANTAGE_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, ROLLOUT_LOG_PROBS_KEY
 
 _NEEDED = (PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, ADVANTAGE_KEY)
 
@@ -201,7 +201,7 @@ def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, ba
     sums/extrema, so the gradient and every metric equal those of one big batch. Returns floats: each loss
     term, ``loss`` (their sum), the spec's metrics, ``valid_tokens``, ``valid_sequences``, ``grad_norm``
     (when clipping) and ``reward_mean`` (when the rows carry rewards). ``autocast``: a context for each forward
-    pass (e.g. bfloat16 over float32 weights, :func:`rbpipe.device.autocast`); backward runs outside it.
+    pass (e.g. bfloat16 over float32 weights, :func:`rbpipe.model.device.autocast`); backward runs outside it.
     """
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")

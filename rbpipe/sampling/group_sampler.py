@@ -18,8 +18,8 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.errors import StaleReadError
-from rbpipe.schema import VERSION_KEY
 from rbpipe.storage.protocol import is_group_store
+from rbpipe.trajectory import VERSION_KEY
 
 REDRAWS = 8  # draws tried when the drawn groups keep being evicted before they are read
 

@@ -18,12 +18,12 @@ import numpy as np
 import pyarrow as pa
 
 from rbpipe.errors import StoreError
-from rbpipe.fsutil import file_lock, write_file
-from rbpipe.procs import pid_alive
 from rbpipe.storage.backend import Backend, writer_id
 from rbpipe.storage.columns import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
 from rbpipe.storage.format import SEGMENTS_DIR
 from rbpipe.storage.retention import BLOCK, owner_alive, roll_bytes
+from rbpipe.system.fsutil import file_lock, write_file
+from rbpipe.system.procs import pid_alive
 
 SEALED = ".arrows"
 IN_PROGRESS = ".arrows.inprogress"

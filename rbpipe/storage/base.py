@@ -24,7 +24,6 @@ from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.errors import SchemaError, StaleReadError, StoreError
-from rbpipe.schema import ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 from rbpipe.storage.backend import Backend, write_error
 from rbpipe.storage.collate import register_default_collate
 from rbpipe.storage.columns import NestedKey, Schema, from_storage_np, key_tuple, take_ragged
@@ -33,6 +32,7 @@ from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
 from rbpipe.storage.group_index import View
 from rbpipe.storage.ledger import Ledger
+from rbpipe.trajectory import ADVANTAGE_KEY, COLLECTOR_KEY, GROUP_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 
 if TYPE_CHECKING:
     from rbpipe.storage.catalog import CatalogBuffer

@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rbpipe.errors import StoreError
-from rbpipe.fsutil import atomic_write
 from rbpipe.storage.format import CATALOG_DIR, read_meta
 from rbpipe.storage.ledger import scan
+from rbpipe.system.fsutil import atomic_write
 
 LIST_COLUMNS = ("returns", "advantages", "collectors", "policy_versions", "lengths")
 

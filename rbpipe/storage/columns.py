@@ -19,7 +19,7 @@ from tensordict.utils import is_non_tensor
 
 from rbpipe.errors import NotAGroupError, SchemaError
 from rbpipe.members import _NestedTensor, jagged_tensor  # noqa: F401 - jagged_tensor: re-exported
-from rbpipe.schema import numpy_view
+from rbpipe.trajectory import numpy_view
 
 NestedKey = Any
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from rbpipe.fsutil import file_lock
+from rbpipe.system.fsutil import file_lock
 
 
 def _dumps(record: dict) -> bytes:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import StoreError
-from rbpipe.fsutil import atomic_write
+from rbpipe.system.fsutil import atomic_write
 
 #: Bumped when a reader of the previous version could misread a store.
 FORMAT_VERSION = 1

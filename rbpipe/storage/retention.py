@@ -19,8 +19,8 @@ import os
 import socket
 from pathlib import Path
 
-from rbpipe.procs import pid_alive
 from rbpipe.storage.format import SEGMENTS_DIR, ZARR_DIR
+from rbpipe.system.procs import pid_alive
 
 ROLL_MIN = 256 * 1024  # smallest segment a writer seals when the store has retention
 ROLL_FRACTION = 8  # ... else an eighth of the live bytes: few files, little dead space per writer

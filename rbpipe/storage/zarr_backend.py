@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 
 from rbpipe.errors import StoreError
-from rbpipe.fsutil import atomic_write, file_lock
 from rbpipe.storage.backend import Backend, writer_id
 from rbpipe.storage.columns import GroupColumns, empty_columns, ragged_sizes, row_elements, slice_columns, take_columns
 from rbpipe.storage.format import ZARR_DIR
 from rbpipe.storage.retention import ChunkLedger
+from rbpipe.system.fsutil import atomic_write, file_lock
 
 MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chunk count)
 VALUE_CHUNK = 2 ** 18  # values per chunk of a ragged field's values array

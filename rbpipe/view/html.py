@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError
-from rbpipe.fsutil import atomic_write
+from rbpipe.system.fsutil import atomic_write
 from rbpipe.view.page import render_page
 from rbpipe.view.source import StoreView
 

@@ -1,6 +1,6 @@
 """The member rows of a few groups, read straight from a store's files (docs/FORMAT.md), without torch.
 
-Why not ``rbpipe.query.trajectories_table``: it reads every live group to build the whole view, and a page
+Why not ``rbpipe.storage.query.trajectories_table``: it reads every live group to build the whole view, and a page
 of the viewer needs ten to a hundred groups of a store that may hold 100,000; it also keeps only the length
 of a token field, where the viewer shows the token ids of a prompt or a response. Column names are those of
 the ``trajectories`` view (``next_reward``, ``tokens_response_len``, string fields as their text), so a
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rbpipe.query import sql_name
+from rbpipe.storage.query import sql_name
 
 #: token ids kept per ragged field and row for display (a long response is cut, and says so)
 MAX_VALUES = 2048

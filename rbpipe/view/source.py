@@ -1,7 +1,7 @@
 """What the viewer shows, as plain JSON-ready dicts: pages of groups, one group's members, the plot's numbers.
 
 One :class:`StoreView` per store serves the live server and the ``--html`` writer alike, so the page shows the
-same thing in both. The groups come from the ``groups`` view of ``rbpipe query`` (``rbpipe.query.groups_table``:
+same thing in both. The groups come from the ``groups`` view of ``rbpipe query`` (``rbpipe.storage.query.groups_table``:
 every committed group, complete at every commit) and filters are DuckDB conditions over it (and over the
 ``trajectories`` view through a subquery), evaluated server-side with ``LIMIT``/``OFFSET`` so that a page of a
 100,000-group store costs the browser a hundred rows. Everything is read-only: the commit log is opened
@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rbpipe.errors import StoreError
+from rbpipe.rundir import RUN, STORE, SUMMARY
 from rbpipe.view.rows import MemberReader
 
 #: groups per page: what the browser renders at once, whatever the store holds
@@ -44,20 +45,20 @@ def resolve_store(path: str | os.PathLike) -> tuple[Path, Path | None]:
                          "(runs/<run>)")
     if (path / "rbpipe-store.json").is_file():
         return path, None
-    run_json = path / "run.json"
+    run_json = path / RUN
     if run_json.is_file():
         try:
             named = Path(json.loads(run_json.read_text())["store"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"{str(run_json)!r} does not name the run's store ({exc}): pass the store "
                              "directory itself") from None
-        for store in (named, path / named, path / "store"):
+        for store in (named, path / named, path / STORE):
             if (store / "rbpipe-store.json").is_file():
                 return store, path
         raise StoreError(f"the store of run {str(path)!r} ({str(named)!r}) is not there: pass the store "
                          "directory itself")
-    if (path / "store" / "rbpipe-store.json").is_file():
-        return path / "store", path
+    if (path / STORE / "rbpipe-store.json").is_file():
+        return path / STORE, path
     raise StoreError(f"{str(path)!r} is neither an rbpipe store (no rbpipe-store.json) nor a run directory "
                      "(no run.json or store/): pass a store (runs/<run>/store) or a run directory (runs/<run>)")
 
@@ -73,7 +74,7 @@ def _connect():
 
 def _catalog_rows(records: list[dict]) -> pa.Table:
     """The ``groups`` view's rows (without ``live``) of these group records, built by the catalogue's own
-    code so that the columns are exactly those of ``rbpipe query`` (``rbpipe.query.groups_table``)."""
+    code so that the columns are exactly those of ``rbpipe query`` (``rbpipe.storage.query.groups_table``)."""
     from rbpipe.storage.catalog import _catalog_table  # read_catalog's row builder, for records already read
 
     table = _catalog_table({r["seq"]: r for r in records}, -1)
@@ -208,7 +209,7 @@ class StoreView:
 
     def _trajectories_table(self) -> pa.Table:
         """The whole ``trajectories`` view, built only when a filter names it and kept until the store changes."""
-        from rbpipe.query import trajectories_table
+        from rbpipe.storage.query import trajectories_table
 
         if self._trajectories is None or self._trajectories[0] != self._version:
             self._trajectories = (self._version, trajectories_table(self.store))
@@ -239,7 +240,7 @@ class StoreView:
         if self.run_dir is None:
             return None
         try:
-            summary = json.loads((self.run_dir / "summary.json").read_text())
+            summary = json.loads((self.run_dir / SUMMARY).read_text())
         except (OSError, ValueError):
             return {"run_dir": str(self.run_dir), "status": "running or no summary yet"}
         keep = ("status", "groups_written", "groups_dropped", "drop_reasons", "learner_steps", "written", "dropped")

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rbpipe.procs import SOCKET_DIR_PREFIX
+from rbpipe.system.procs import SOCKET_DIR_PREFIX
 
 
 def private_tmpdir() -> Path:
@@ -23,7 +23,7 @@ def leftovers(launcher_pids: list[int], tmpdir: Path) -> set[str]:
     weights files in /dev/shm (named by the launcher's pid) and their socket directories. Other people's runs
     on this machine never count. Named semaphores (``sem.mp-*``) carry no owner: a test checks that no process
     of its run maps one (:func:`semaphores_of`)."""
-    from rbpipe.weights import WEIGHTS_PREFIX
+    from rbpipe.service.weights import WEIGHTS_PREFIX
 
     prefixes = tuple(f"{WEIGHTS_PREFIX}{pid}-" for pid in launcher_pids)
     shm = {f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if name.startswith(prefixes)}

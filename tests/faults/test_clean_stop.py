@@ -1,8 +1,8 @@
 """A stop is clean whatever a learner step costs (issue 33): a real model's step takes ~20 s, the demo's 50 ms.
 
 The learner's steps are made seconds long with the test hook ``RBPIPE_TEST_STEP_DELAY_S`` (every forward pass
-of its model sleeps that long, in slices a stop can abandon: ``rbpipe.fault_hooks``). The run is then stopped at a
-random point (seeded; the seed is printed) by SIGTERM of the launcher, SIGTERM of its whole process group (what
+of its model sleeps that long, in slices a stop can abandon: ``rbpipe.system.fault_hooks``). The run is then stopped
+at a random point (seeded; the seed is printed) by SIGTERM of the launcher, SIGTERM of its whole process group (what
 ``timeout`` and service managers send) or a double Ctrl-C (SIGINT twice to the group, as a terminal sends it).
 Every time: exit status 1 (interrupted) without a traceback or an error line, ``summary.json`` with conservation,
 a checkpoint of the last step logged (a resume repeats nothing and skips nothing), no process of the run left, no

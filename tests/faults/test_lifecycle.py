@@ -163,7 +163,7 @@ def test_a_ctrl_c_after_the_run_ended_exits_quietly_and_keeps_the_output():
     traceback. Here the SIGINT is sent from an atexit hook, where the test above once caught it."""
     code = ("import atexit, os, signal, time\n"
             "import torch  # its atexit hooks, as in rbpipe run\n"
-            "from rbpipe.cli import exit_quietly_on_ctrl_c\n"
+            "from rbpipe.cli.commands import exit_quietly_on_ctrl_c\n"
             "print('the summary table')\n"
             "exit_quietly_on_ctrl_c()\n"
             "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(10)))\n")

@@ -13,8 +13,8 @@ import torch
 from rbpipe.demo.policy import DIGIT0_ID
 from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.grouping.staging import Staging
-from rbpipe.schema import GROUP_KEY, make_trajectory
 from rbpipe.storage import inspect_store
+from rbpipe.trajectory import GROUP_KEY, make_trajectory
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json"]
 

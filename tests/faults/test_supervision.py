@@ -2,7 +2,8 @@
 manager, refuses a second writer, and a killed run resumes with nothing lost.
 
 Every fault fires at a step the run cannot have passed: the learner holds after that step until the test creates a
-file (``RBPIPE_TEST_HOLD_AFTER_STEP``, :mod:`rbpipe.fault_hooks`), so a fast machine cannot finish the run first."""
+file (``RBPIPE_TEST_HOLD_AFTER_STEP``, :mod:`rbpipe.system.fault_hooks`), so a fast machine cannot finish the run
+first."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rbpipe.fault_hooks import HOLD_ENV
+from rbpipe.system.fault_hooks import HOLD_ENV
 from tests.faults.shared_places import assert_nothing_left, private_tmpdir, semaphores_of, session_pids
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--grpo-size", "4", "--groups-per-step", "2"]

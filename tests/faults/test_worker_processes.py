@@ -1,4 +1,4 @@
-"""Workers forked by the fork server (``rbpipe.procs.worker_context``) behave as spawned ones did: they see
+"""Workers forked by the fork server (``rbpipe.system.procs.worker_context``) behave as spawned ones did: they see
 their starter's environment as it was at ``start()``, ignore Ctrl-C, and die when their starter is SIGKILLed
 (their direct parent is the fork server, not the starter, so neither ``getppid`` nor the death signal of the
 starter alone would tell them)."""
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rbpipe.procs import pid_alive, worker_context
+from rbpipe.system.procs import pid_alive, worker_context
 
 
 def _report(path: str) -> None:
@@ -47,7 +47,7 @@ def test_a_worker_sees_its_starters_environment_of_the_moment_and_ignores_ctrl_c
 
 STARTER = textwrap.dedent("""
     import sys, time
-    from rbpipe.procs import run_worker, worker_context
+    from rbpipe.system.procs import run_worker, worker_context
 
     def forever():
         while True:
@@ -114,7 +114,7 @@ def test_socket_directories_of_sigkilled_processes_are_swept_and_live_ones_kept(
     their processes live, a sweep leaves them alone (their owner lock is held)."""
     import json
 
-    from rbpipe.procs import SOCKET_DIR_PREFIX, sweep_orphaned_socket_dirs
+    from rbpipe.system.procs import SOCKET_DIR_PREFIX, sweep_orphaned_socket_dirs
 
     script = tmp_path / "starter.py"
     script.write_text(SOCKETS_STARTER)

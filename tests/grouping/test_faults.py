@@ -9,9 +9,9 @@ import pytest
 import torch
 from torchrl.objectives.llm import MCAdvantage
 
+from rbpipe.cli.stress import run_stress
 from rbpipe.errors import BadTrajectoryError, ManagerDiedError
 from rbpipe.grouping import SharedMCAdvantage, start_manager
-from rbpipe.stress import run_stress
 from tests.grouping.helpers import MINIMAL_KEYS, groups_of, traj
 
 

@@ -8,8 +8,8 @@ import torch
 from torchrl.objectives.llm import MCAdvantage
 
 from rbpipe.buffer import make_replay_buffer
-from rbpipe.schema import RAGGED_KEYS, make_trajectory
 from rbpipe.storage import ArrowStorage
+from rbpipe.trajectory import RAGGED_KEYS, make_trajectory
 
 
 def _trajectories(group_size: int, groups: int) -> list:

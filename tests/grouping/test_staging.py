@@ -75,7 +75,7 @@ def test_sweep_removes_a_dead_process_released_files_but_keeps_its_pending_paylo
 @pytest.mark.timeout(60)
 def test_default_staging_is_in_shared_memory_and_removed_at_shutdown(grouping_manager):
     from rbpipe.grouping import SharedMCAdvantage
-    from rbpipe.procs import shared_memory_dir
+    from rbpipe.system.procs import shared_memory_dir
 
     t = SharedMCAdvantage(2, manager=grouping_manager)
     path = t.staging.path
@@ -90,7 +90,7 @@ def test_default_staging_is_in_shared_memory_and_removed_at_shutdown(grouping_ma
 
 @pytest.mark.timeout(300)
 def test_sweep_dead_files_removes_only_files_of_processes_that_are_gone(tmp_path):
-    from rbpipe.procs import sweep_dead_files
+    from rbpipe.system.procs import sweep_dead_files
 
     p = multiprocess.get_context("spawn").Process(target=os.getpid)
     p.start()

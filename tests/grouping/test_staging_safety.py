@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from rbpipe.grouping import SharedMCAdvantage
 from rbpipe.grouping.staging import Staging, StagingError, decode_td, encode_td
-from rbpipe.procs import pid_alive
+from rbpipe.system.procs import pid_alive
 from tests.grouping.helpers import MINIMAL_KEYS, traj
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from rbpipe.loss import (
     train_step,
 )
 from rbpipe.loss.batch import _response_mask, step_counts
-from rbpipe.schema import make_trajectory
+from rbpipe.trajectory import make_trajectory
 
 
 def rows(model, temperature: float = 1.0, prompts: int = 4, per_prompt: int = 4, equal_lengths: bool = False):

@@ -14,7 +14,7 @@ from rbpipe.demo.policy import EOS_ID, build_learner_actor, build_model, build_t
 from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
 from rbpipe.loss.logprobs import sft_distribution
-from rbpipe.schema import make_trajectory
+from rbpipe.trajectory import make_trajectory
 
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 MAX_NEW_TOKENS = 6

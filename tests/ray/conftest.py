@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from rbpipe.rayengine import use_loopback  # noqa: E402
+from rbpipe.service.ray import use_loopback  # noqa: E402
 
 
 @pytest.fixture(scope="session")

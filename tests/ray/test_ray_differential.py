@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from rbpipe.grouping import SharedMCAdvantage
-from rbpipe.rayengine import RayManager, shard_of
+from rbpipe.service.ray import RayManager, shard_of
 from tests.grouping.helpers import MINIMAL_KEYS
 from tests.grouping.test_differential import assert_matches_stock, scenarios
 

@@ -2,7 +2,7 @@
 finishes, nothing is lost beyond what was in flight, no group is torn or stored twice.
 
 Each fault fires while the learner holds after a given step (``RBPIPE_TEST_HOLD_AFTER_STEP``,
-:mod:`rbpipe.fault_hooks`, forwarded to the worker actors) until the test creates a file once the fault is done:
+:mod:`rbpipe.system.fault_hooks`, forwarded to the worker actors) until the test creates a file once the fault is done:
 the run cannot have passed that step, or finished, whatever the machine's speed."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from ray_helpers import check_store, ray_env, ray_run_cmd
 
-from rbpipe.fault_hooks import HOLD_ENV
+from rbpipe.system.fault_hooks import HOLD_ENV
 
 
 def _start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:

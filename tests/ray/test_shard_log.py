@@ -1,4 +1,4 @@
-"""The shards' log (``rbpipe.rayengine.shardlog``): JSON lines read back without unpickling. Records round-trip
+"""The shards' log (``rbpipe.service.ray.shardlog``): JSON lines read back without unpickling. Records round-trip
 exactly (tuple group keys, bytes), a torn last line is ignored, anything else that does not decode fails in one
 line naming the file, a pickle payload is never run; a shard replays its log (its options from the log, or
 re-sent by a router when they could not be written)."""
@@ -16,10 +16,9 @@ from hypothesis import strategies as st
 from torchrl.objectives.llm import MCAdvantageSelector
 
 from rbpipe.errors import ConfigError
-from rbpipe.fault_hooks import SHARD_RESTART_ENV
 from rbpipe.grouping.registry import encode_tensor
-from rbpipe.rayengine import shards as shards_mod
-from rbpipe.rayengine.shardlog import (
+from rbpipe.service.ray import shards as shards_mod
+from rbpipe.service.ray.shardlog import (
     LOGGED,
     ShardLogError,
     call_record,
@@ -28,7 +27,8 @@ from rbpipe.rayengine.shardlog import (
     open_record,
     read_log,
 )
-from rbpipe.rayengine.shards import RegistryAwaitsOptions, ShardHost
+from rbpipe.service.ray.shards import RegistryAwaitsOptions, ShardHost
+from rbpipe.system.fault_hooks import SHARD_RESTART_ENV
 
 GROUPS = st.integers() | st.text() | st.tuples(st.integers(-2 ** 31, 2 ** 31), st.integers())
 BYTES, DTYPES, SHAPES = (st.binary(max_size=64), st.sampled_from(["float32", "bfloat16", "int64"]),
@@ -223,7 +223,7 @@ def test_a_router_re_sends_options_to_a_restarted_shard(ray_cluster, tmp_path):
     call re-sends them (it holds them from opening) and the shard's queued trajectory is there again."""
     import ray
 
-    from rbpipe.rayengine import RayManager
+    from rbpipe.service.ray import RayManager
 
     class KeepFirst(MCAdvantageSelector):
         pass
@@ -269,7 +269,7 @@ def test_the_coordinator_answers_takes_and_renewals_while_a_shard_is_down(ray_cl
     stored twice)."""
     import ray
 
-    from rbpipe.rayengine import RayManager
+    from rbpipe.service.ray import RayManager
 
     release = tmp_path / "release"
     if restart:  # Ray's restart of the shard waits for this file: the answers must come while it is down
@@ -312,8 +312,8 @@ def test_the_final_share_out_counts_drops_of_a_shard_being_restarted(ray_cluster
     import ray
 
     from rbpipe.grouping import SharedMCAdvantage
-    from rbpipe.journal import load_state
-    from rbpipe.rayengine import RayManager
+    from rbpipe.service.journal import load_state
+    from rbpipe.service.ray import RayManager
     from tests.grouping.helpers import MINIMAL_KEYS, traj
 
     manager = RayManager.start(shards=1, ttl_s=5.0, log_dir=str(tmp_path), prefix="closestats-")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import lazy_stack
 
-from rbpipe.schema import make_trajectory
+from rbpipe.trajectory import make_trajectory
 
 
 def llm_group(gid: int, n: int = 4, seed: int = 0, version: int = 1):

@@ -1,9 +1,12 @@
 """The package's imports run one way (no cycle, function-level imports included; the storage package checked
-alone too), and grouping never imports storage (docs/STORAGE.md)."""
+alone too), the rooms of the package (its folders and root modules) import only rooms in a lower layer
+(docs/ARCHITECTURE.md), and grouping never imports storage (docs/STORAGE.md). ``workers/`` is scanned as
+``rbpipe.workers`` (``rbpipe/workers`` links to it)."""
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +16,7 @@ import pytest
 import rbpipe
 
 ROOT = Path(rbpipe.__file__).parent
-CHECKED = ("rbpipe.storage", "rbpipe.members", "rbpipe.fsutil")
+CHECKED = ("rbpipe.storage", "rbpipe.members", "rbpipe.system.fsutil")
 
 
 def _module_name(path: Path) -> str:
@@ -22,7 +25,13 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+    """Every module of the package, ``rbpipe.workers`` included (``rbpipe/workers`` links to ``workers/``)."""
+    found = {}
+    for folder, _, files in os.walk(ROOT, followlinks=True):
+        for file in files:
+            if file.endswith(".py"):
+                found[_module_name(Path(folder) / file)] = Path(folder) / file
+    return found
 
 
 def _imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
@@ -68,6 +77,42 @@ def test_no_module_is_on_an_import_cycle(scope):
     assert "rbpipe.storage.base" in checked and "rbpipe.storage.ledger" in checked
     cycles = [c for c in (_cycle_from(graph, m) for m in checked) if c]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+#: The rooms of the package, bottom up: a room imports only rooms of lower layers (never one of its own layer,
+#: never one above). A room is a folder of ``rbpipe`` or a module at its root.
+LAYERS = (
+    ("rbpipe", "errors", "members", "rundir"),  # the package's lazy exports; nouns that import nothing of rbpipe
+    ("trajectory", "system", "rate_limit"),  # the trajectory's keys, OS plumbing, the limiter
+    ("storage", "grouping", "loss", "model", "tracking"),  # persist groups, decide them, train, sample, bookkeeping
+    ("sampling", "buffer", "demo", "view"),  # what is built on them: the sampler, the buffer, the demo, the viewer
+    ("config",),  # every knob of a run
+    ("service",),  # the shared state of a run (both engines)
+    ("workers",),  # the processes
+    ("cli",),  # the commands
+)
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def test_every_module_belongs_to_a_declared_room():
+    declared = {room for layer in LAYERS for room in layer}
+    assert {_room(m) for m in _graph()} == declared
+
+
+def test_rooms_import_only_rooms_below_them():
+    layer = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+    upward = sorted(f"{a} -> {d}" for a, deps in _graph().items() for d in deps
+                    if _room(a) != _room(d) and layer[_room(d)] >= layer[_room(a)])
+    assert not upward, "imports of a room in the same or a higher layer: " + "; ".join(upward)
+
+
+def test_the_graph_scans_the_workers():
+    graph = _graph()
+    assert {"rbpipe.workers.serve", "rbpipe.workers.launcher"} <= set(graph)
+    assert "rbpipe.service.host" in graph["rbpipe.workers.serve"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

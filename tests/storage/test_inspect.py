@@ -10,8 +10,8 @@ import time
 import pytest
 from helpers_storage import llm_group
 
+from rbpipe.cli.tables import format_groups
 from rbpipe.errors import StoreError
-from rbpipe.inspect_view import format_groups
 from rbpipe.storage import ArrowStorage, inspect_store
 
 RAGGED = [("tokens", "prompt"), ("tokens", "response"), ("log_probs", "rollout")]
@@ -70,7 +70,7 @@ def _make_store(path, groups: int):
 @pytest.mark.timeout(300)
 def test_inspect_of_2400_groups_is_fast_and_never_imports_torch(tmp_path):
     _make_store(tmp_path / "big", 2400)
-    code = ("import sys, time; t = time.perf_counter(); from rbpipe.cli import main; "
+    code = ("import sys, time; t = time.perf_counter(); from rbpipe.cli.commands import main; "
             f"rc = main(['inspect', {str(tmp_path / 'big')!r}, '--where', 'list_avg(returns) > 0']); "
             "print(f'elapsed={time.perf_counter() - t:.3f}', file=sys.stderr); "
             "assert 'torch' not in sys.modules, 'inspect imported torch'; sys.exit(rc)")
@@ -87,7 +87,7 @@ def test_inspect_of_2400_groups_is_fast_and_never_imports_torch(tmp_path):
 
 
 def test_the_cli_shows_every_advantage_of_an_eight_member_group(tmp_path, capsys):
-    from rbpipe.cli import main
+    from rbpipe.cli.commands import main
 
     _make_store(tmp_path / "s", 3)
     assert main(["inspect", str(tmp_path / "s")]) == 0

@@ -1,4 +1,4 @@
-"""``rbpipe.query``: DuckDB views over a store agree with what the storage itself reads back."""
+"""``rbpipe.storage.query``: DuckDB views over a store agree with what the storage itself reads back."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from helpers_storage import llm_group
 
 from rbpipe.errors import StoreError
-from rbpipe.query import query
 from rbpipe.storage import ArrowStorage, ZarrStorage
+from rbpipe.storage.query import query
 
 RAGGED = [("tokens", "prompt"), ("tokens", "response"), ("log_probs", "rollout")]
 

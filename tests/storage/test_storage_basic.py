@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
 
 from rbpipe.errors import SchemaError, StoreError
-from rbpipe.schema import RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, ZarrStorage, export_zarr, inspect_store, open_storage, read_catalog
 from rbpipe.storage.format import META_FILE
+from rbpipe.trajectory import RAGGED_KEYS
 
 BACKENDS = [ArrowStorage, ZarrStorage]
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,

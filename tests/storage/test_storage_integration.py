@@ -15,9 +15,9 @@ from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.samplers import PromptGroupSampler, RandomSampler, SamplerWithoutReplacement
 
 from rbpipe.errors import StoreLockedError
-from rbpipe.schema import RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, GroupWriter, WriterLock, ZarrStorage, collate_identity
 from rbpipe.storage.commitlog import decode
+from rbpipe.trajectory import RAGGED_KEYS
 
 
 @pytest.mark.parametrize("cls", [ArrowStorage, ZarrStorage])

@@ -10,8 +10,8 @@ import multiprocess
 import pytest
 from helpers_storage import llm_group
 
-from rbpipe.schema import RAGGED_KEYS
 from rbpipe.storage import ArrowStorage, ZarrStorage, inspect_store, open_storage
+from rbpipe.trajectory import RAGGED_KEYS
 
 
 def _writer(storage, wid, n_groups):
@@ -28,7 +28,7 @@ def _forever(path, cls_name, ready):
     from tensordict import TensorDict, lazy_stack
 
     import rbpipe.storage as st
-    from rbpipe.schema import RAGGED_KEYS as RK
+    from rbpipe.trajectory import RAGGED_KEYS as RK
     s = getattr(st, cls_name)(path, ragged_keys=RK)
     k = 0
     while True:

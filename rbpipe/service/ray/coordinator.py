@@ -1,0 +1,331 @@
+"""The coordinator actor (work units, learner progress, lease authority, the latest weights' ref), its proxy,
+the weights through Ray's object store, and ``RayManager``, which starts or joins a service's actors."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rbpipe.errors import ConfigError, ManagerDiedError
+from rbpipe.rundir import SHARD_LOGS
+from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
+from rbpipe.service.ray.session import init_ray, use_loopback
+from rbpipe.service.ray.shards import RESTART_WAIT_S, RegistryAwaitsOptions, ShardedRegistry, ShardHost
+from rbpipe.system import fault_hooks
+
+#: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
+STATS_CACHE_S = 0.25
+#: Seconds the coordinator waits for the shards' counters before it goes on with the last ones.
+STATS_WAIT_S = 0.05
+#: ... when it saves the run's final counters (its close): a shard Ray restarts on a cold worker takes seconds.
+CLOSE_STATS_WAIT_S = 20.0
+#: The shards' log directory of a service started with a random prefix (:meth:`RayManager.start`).
+_SESSION_LOGS = re.compile(SHARD_LOGS.format(prefix="[0-9a-f]{8}-"))
+
+
+def shard_log_dir(log_dir: str | os.PathLike[str], prefix: str) -> Path:
+    """Where the shards of the service named by ``prefix`` log their state changes."""
+    return Path(log_dir) / SHARD_LOGS.format(prefix=prefix)
+
+
+def remove_session_logs(log_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove the shards' logs that services started under ``log_dir`` left there; returns their names.
+
+    Only a service's close removes its own: a killed one leaves them. They are of no use to a resumed run (it
+    requeues from the staging area). The caller must own ``log_dir`` (``rbpipe serve`` holds the store's
+    writer lock): a live service's logs are replayed when Ray restarts one of its shards."""
+    removed = []
+    for entry in sorted(Path(log_dir).glob("*shards")):
+        if _SESSION_LOGS.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+class LastKnownStats:
+    """The grouping counters as the coordinator actor reads them: the shards' answers when they are there within
+    ``STATS_WAIT_S``, else the last ones. The actor serves one call at a time, lease renewals included; a read
+    that waited for a shard Ray was restarting held every renewal up past the leases' time to live, so live
+    collectors' units were reissued while they still handed them over (a group stored twice).
+
+    A ``fresh`` read (the coordinator's close, which saves the run's final counters) asks the shards anew, waits
+    for a restarting one up to ``CLOSE_STATS_WAIT_S`` and sends it the registry's options if it lost them: the
+    answers of calls made earlier may predate the last drops, and a shard Ray restarts answers only when back.
+    """
+
+    def __init__(self, registry: ShardedRegistry) -> None:
+        self._registry = registry
+        self._last = registry.get_stats()  # waits for the shards once, when the coordinator is configured
+        self._pending: list | None = None
+
+    def get_stats(self, fresh: bool = False) -> dict:
+        if fresh:
+            self._pending = None
+            try:
+                self._last = self._registry.stats_within(CLOSE_STATS_WAIT_S)
+            except (ManagerDiedError, RegistryAwaitsOptions):
+                pass  # a shard down for good: the last counters are the best there are
+            return self._last
+        if self._pending is None:
+            self._pending = self._registry.stats_calls()
+        ready, _ = _ray().wait(self._pending, num_returns=len(self._pending), timeout=STATS_WAIT_S)
+        if len(ready) == len(self._pending):
+            calls, self._pending = self._pending, None
+            try:
+                self._last = self._registry.sum_stats(_get(calls))
+            except (ManagerDiedError, RegistryAwaitsOptions):
+                pass  # a shard down or restarted without options: its routers bring it back; ask again next time
+        return self._last
+
+
+class CoordinatorHost:
+    """The service's coordinator (a Ray actor): work units, learner progress, the lease authority, the weights."""
+
+    def __init__(self, ttl_s: float) -> None:
+        import torch
+
+        from rbpipe.grouping.leases import LEASES
+
+        torch.set_num_threads(1)
+        LEASES.ttl_s = float(ttl_s)  # the table the Coordinator checks: this process's, the authority
+        self.leases = LEASES
+        self.coordinators: dict[str, Any] = {}
+        self.weights: tuple[int, int, list | None] = (0, 0, None)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def configure(self, name: str, settings: dict, registry) -> None:
+        from rbpipe.service.coordinator import Coordinator
+
+        if name not in self.coordinators:
+            self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(registry),
+                                                  stats_cache_s=STATS_CACHE_S)
+
+    def has(self, name: str) -> bool:
+        return name in self.coordinators
+
+    def call(self, name: str, method: str, args: tuple, kwargs: dict):
+        from rbpipe.service.coordinator import Coordinator
+
+        if method not in Coordinator.exposed:
+            raise AttributeError(f"Coordinator has no remote method {method!r}")
+        return getattr(self.coordinators[name], method)(*args, **kwargs)
+
+    def appended_many(self, events: list[tuple]) -> None:
+        """Appends the shards saw, in their order: ``[(registry name, group, owner lease, count), ...]``."""
+        for name, group, owner, n in events:
+            coordinator = self.coordinators.get(name)
+            if coordinator is not None:
+                coordinator.appended_many(owner, {group: n})
+
+    # leases: granted here, adopted by the shards
+    def lease(self) -> str:
+        return self.leases.grant()
+
+    def renew(self, token) -> bool:
+        return self.leases.renew(token) if isinstance(token, str) else False
+
+    def release_lease(self, token) -> None:
+        if isinstance(token, str):
+            self.leases.release(token)
+
+    def lease_ttl(self) -> float:
+        return self.leases.ttl_s
+
+    # weights: the latest version's object ref (one ``ray.put`` per version, by the publisher)
+    def set_weights(self, version: int, learner_step: int | None, refs: list) -> None:
+        step = self.weights[1] if learner_step is None else int(learner_step)
+        self.weights = (int(version), step, refs)
+
+    def weights_version(self) -> tuple[int, int]:
+        return self.weights[0], self.weights[1]
+
+    def get_weights(self) -> tuple[int, list | None]:
+        return self.weights[0], self.weights[2]
+
+    def close(self) -> None:
+        for coordinator in self.coordinators.values():
+            coordinator.close()
+
+
+class CoordinatorProxy(_Proxy):
+    """The coordinator actor as a ``multiprocess``-style proxy of one service's coordinator."""
+
+    def __init__(self, actor, name: str) -> None:
+        self._actor, self._name = actor, name
+
+    @staticmethod
+    def _exposed():
+        from rbpipe.service.api import COORDINATOR_EXPOSED
+
+        return COORDINATOR_EXPOSED
+
+    def _callmethod(self, method: str, args=(), kwargs=None):
+        return _get(self._actor.call.remote(self._name, method, tuple(args), dict(kwargs or {})), "coordinator")
+
+
+class RayManager:
+    """Stands where the ``multiprocess`` grouping manager stands (``get_registry``, ``get_coordinator``,
+    ``address``, ``shutdown``), backed by one coordinator actor and ``K`` shard actors of a Ray namespace."""
+
+    joined = False
+
+    def __init__(self, namespace: str, prefix: str, coordinator, shards: list, owner: bool,
+                 restart_wait_s: float = 0.0) -> None:
+        self.namespace, self.prefix = namespace, prefix
+        self.coordinator_actor, self.shard_actors = coordinator, list(shards)
+        self._owner = owner
+        self.restart_wait_s = float(restart_wait_s)
+
+    @classmethod
+    def start(cls, *, shards: int = 1, ttl_s: float | None = None, namespace: str | None = None,
+              prefix: str | None = None, log_dir: str | None = None, shard_restarts: int = 3) -> RayManager:
+        """Create the coordinator and ``shards`` shard actors (0 CPUs each; placed by Ray) and wait for them.
+        Their names (``<prefix>rbpipe-coordinator``, ``<prefix>rbpipe-shard-<i>``) are unique per service.
+        ``log_dir``: where the shards log their state changes (``<log_dir>/<prefix>shards/``); with it, Ray
+        restarts a shard up to ``shard_restarts`` times and the shard replays its log. Without it a dead
+        shard fails the run."""
+        from rbpipe.grouping.leases import ttl_from_env
+
+        ray = _ray()
+        if int(shards) < 1:
+            raise ConfigError(f"--grouping-shards must be >= 1, got {shards}")
+        ns = namespace or ray.get_runtime_context().namespace
+        ttl = ttl_from_env() if ttl_s is None else float(ttl_s)
+        prefix = f"{uuid.uuid4().hex[:8]}-" if prefix is None else prefix
+        # The shared state lives on the driver's node, as the local manager lives beside its launcher: a worker
+        # node that is removed (or preempted) takes only its workers with it. 0 CPUs: they never wait for a slot.
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        common = {"namespace": ns, "num_cpus": 0, "max_restarts": 0, "scheduling_strategy": here}
+        hooks = fault_hooks.forwarded_env()  # Ray's workers do not inherit this process's environment
+        if hooks:
+            common["runtime_env"] = {"env_vars": hooks}
+        coordinator = ray.remote(CoordinatorHost).options(name=prefix + COORDINATOR_NAME, **common).remote(ttl)
+        logs = None if log_dir is None else str(shard_log_dir(log_dir, prefix))
+        restarts = int(shard_restarts) if logs else 0
+        hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", **dict(common, max_restarts=restarts))
+                 .remote(i, ns, ttl, prefix + COORDINATOR_NAME, logs) for i in range(int(shards))]
+        _get([coordinator.pid.remote()] + [h.pid.remote() for h in hosts])
+        return cls(ns, prefix, coordinator, hosts, owner=True, restart_wait_s=RESTART_WAIT_S if restarts else 0.0)
+
+    @classmethod
+    def connect(cls, spec: dict) -> RayManager:
+        """Join the actors a service started (``spec``: :meth:`spec`, from ``endpoint.json``)."""
+        host = str(spec["address"]).rsplit(":", 1)[0]
+        if host.startswith("127.") or host in ("localhost", "::1"):
+            use_loopback()  # a service on a private loopback instance: Ray would swap 127.0.0.1 for the NIC's address
+        ray = _ray()
+        if spec.get("auth_mode") == "token" and "RAY_AUTH_MODE" not in os.environ:
+            # a private instance uses Ray's token auth (the token: ~/.ray/auth_token, or RAY_AUTH_TOKEN). Ray read
+            # its settings when torchrl imported it: refresh them as ray.init does for a new local cluster.
+            try:
+                from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+                _enable_token_auth()
+            except ImportError:  # another Ray version: the variable alone
+                os.environ["RAY_AUTH_MODE"] = "token"
+        if not ray.is_initialized():
+            init_ray(address=spec["address"], namespace=spec["namespace"], logging_level="WARNING")
+        prefix = spec.get("prefix", "")
+        try:
+            coordinator = ray.get_actor(prefix + COORDINATOR_NAME, namespace=spec["namespace"])
+            shards = [ray.get_actor(f"{prefix}{SHARD_PREFIX}{i}", namespace=spec["namespace"])
+                      for i in range(int(spec["shards"]))]
+        except ValueError as err:
+            raise ManagerDiedError(f"no rbpipe service in Ray namespace {spec['namespace']!r} ({err}): is "
+                                   "`rbpipe serve --engine ray` still running?") from err
+        return cls(spec["namespace"], prefix, coordinator, shards, owner=False,
+                   restart_wait_s=float(spec.get("restart_wait_s", 0.0)))
+
+    @property
+    def address(self) -> str:
+        return _ray().get_runtime_context().gcs_address
+
+    def spec(self) -> dict:
+        return {"address": self.address, "namespace": self.namespace, "prefix": self.prefix,
+                "shards": len(self.shard_actors), "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+                "restart_wait_s": self.restart_wait_s}
+
+    def get_registry(self, name: str, options: dict | None = None, shards: int = 16, staging: dict | None = None):
+        return ShardedRegistry.open(name, self.shard_actors, self.coordinator_actor, self.restart_wait_s, options,
+                                    staging)
+
+    def get_coordinator(self, name: str, settings: dict | None = None) -> CoordinatorProxy:
+        if settings is not None:  # the coordinator's router: with the registry's options, as every router
+            registry = self.get_registry(name)
+            _get(self.coordinator_actor.configure.remote(name, settings, registry), "coordinator")
+        elif not _get(self.coordinator_actor.has.remote(name), "coordinator"):
+            raise ConfigError(f"the Ray namespace {self.namespace!r} runs no rbpipe service ({name!r})")
+        return CoordinatorProxy(self.coordinator_actor, name)
+
+    def pids(self) -> dict[str, int]:
+        refs = [self.coordinator_actor.pid.remote()] + [s.pid.remote() for s in self.shard_actors]
+        pids = _get(refs)
+        return {"coordinator": pids[0], **{f"shard {i}": p for i, p in enumerate(pids[1:])}}
+
+    def shutdown(self) -> None:
+        if not self._owner:
+            return
+        ray = _ray()
+        try:
+            ray.get(self.coordinator_actor.close.remote(), timeout=CLOSE_STATS_WAIT_S + 10)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        for actor in [self.coordinator_actor, *self.shard_actors]:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+class RayWeights:
+    """The policy's weights through Ray's object store: the publisher makes one ``ray.put`` per version and
+    hands the ref to the coordinator; readers fetch the latest ref and its object (from their node's store).
+    A version whose object was lost with its owner (a killed learner) is skipped: readers keep the weights they
+    have until the next version."""
+
+    path = None
+
+    def __init__(self, coordinator_actor, numel: int = 0) -> None:
+        self._coordinator, self.numel = coordinator_actor, int(numel)
+        self._refs: list = []  # the publisher keeps its latest ref alive too
+
+    @property
+    def version(self) -> int:
+        return int(_get(self._coordinator.weights_version.remote(), "coordinator")[0])
+
+    @property
+    def learner_step(self) -> int:
+        return int(_get(self._coordinator.weights_version.remote(), "coordinator")[1])
+
+    def publish(self, model, *, version: int, learner_step: int | None = None) -> None:
+        from rbpipe.demo.policy import flat_parameters
+
+        ref = _ray().put(flat_parameters(model).detach().clone())
+        self._refs = [ref]
+        _get(self._coordinator.set_weights.remote(int(version), learner_step, [ref]), "coordinator")
+
+    def load_into(self, model, *, timeout: float = 30.0) -> int:
+        from rbpipe.demo.policy import load_flat_parameters
+
+        ray = _ray()
+        version, refs = _get(self._coordinator.get_weights.remote(), "coordinator")
+        if not refs:
+            raise TimeoutError("no weights published yet")
+        try:
+            flat = ray.get(refs[0], timeout=timeout)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
+            return getattr(self, "_loaded", 0)
+        load_flat_parameters(model, flat)
+        self._loaded = version
+        return version
+
+    def unlink(self) -> None:
+        self._refs = []

@@ -321,8 +321,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
             log(f"serving {run_dir} (store {store}) at {_describe(service.manager.address)}: attach workers with "
                 f"`rbpipe collector --connect {run_dir}` and `rbpipe learner --connect {run_dir}`; Ctrl-C stops")
         write_pids(run_dir, pids)
-        if engine == "ray":
-            pids.update(service.manager.pids())
+        pids.update(service.host_pids())
         for w in workers:
             _start(ctx, w, pids, run_dir)
         if engine == "ray":

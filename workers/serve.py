@@ -10,27 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rbpipe.buffer import make_replay_buffer, start_manager
+from rbpipe.buffer import make_replay_buffer
 from rbpipe.config import RunConfig
 from rbpipe.errors import ManagerDiedError
 from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import AUTHKEY, ENDPOINT, METRICS, RATE_LIMIT, STAGING
 from rbpipe.service.endpoint import REGISTRY_NAME, new_authkey, write_endpoint
+from rbpipe.service.engine import open_engine
 from rbpipe.service.host import open_coordinator
-from rbpipe.service.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 from rbpipe.tracking.checkpoint import load_checkpoint
 from rbpipe.tracking.metrics_log import truncate_metrics
 
 if TYPE_CHECKING:
     from rbpipe.buffer import GroupReplayBuffer
-    from rbpipe.grouping.manager import GroupingManager
-    from rbpipe.service.ray import RayManager, RayWeights
+    from rbpipe.service.engine import Weights
+    from rbpipe.service.host import ServiceHost
 
 
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
@@ -61,11 +59,12 @@ class Service:
         self.cfg, self.run_dir, self.store, self.storage = cfg, Path(run_dir), Path(store), storage
         self.listen = listen
         self.engine, self.grouping_shards = engine, int(grouping_shards)
+        self._engine = open_engine(engine)
         self.expect_collectors = expect_collectors
-        self.manager: GroupingManager | RayManager | None = None
+        self.manager: ServiceHost | None = None
         self.buffer: GroupReplayBuffer | None = None
         self.coordinator: Any = None  # the coordinator's proxy (a Ray actor handle with engine="ray")
-        self.weights: SharedWeights | RayWeights | None = None
+        self.weights: Weights | None = None
         self.requeued = self.torn = 0
         self.rows_at_start = 0
 
@@ -75,15 +74,8 @@ class Service:
         cfg = self.cfg
         checkpoint = load_checkpoint(self.run_dir)  # a bad one is refused before anything starts
         key = new_authkey(self.run_dir)
-        if self.engine == "ray":  # shards and coordinator as Ray actors (rbpipe.service.ray); Ray is connected
-            from rbpipe.service.ray import RayManager, remove_session_logs
-
-            stale = remove_session_logs(self.run_dir)  # a killed session's (we hold the store's writer lock)
-            if stale:
-                log(f"removed the shard logs of {len(stale)} killed session(s): {', '.join(stale)}")
-            self.manager = RayManager.start(shards=self.grouping_shards, log_dir=str(self.run_dir))
-        else:
-            self.manager = start_manager(address=self.listen, authkey=key)
+        self.manager = self._engine.start(self.run_dir, listen=self.listen, authkey=key,
+                                          shards=self.grouping_shards, log=log)
         self.buffer = make_replay_buffer(self.storage, manager=self.manager, staging_dir=self.store / STAGING,
                                          name=REGISTRY_NAME, **cfg.grouping_kwargs())
         self.rows_at_start = len(self.storage)
@@ -97,15 +89,7 @@ class Service:
             self.coordinator.reconcile_staged(staged)
         model = cfg.make_model()
         numel = sum(p.numel() for p in model.parameters())
-        if self.engine == "ray":  # one ray.put per version, the ref held by the coordinator actor
-            from rbpipe.service.ray import RayWeights
-
-            self.weights = RayWeights(self.manager.coordinator_actor, numel)
-            weights_spec = {"engine": "ray", "numel": numel}
-        else:
-            name = f"{WEIGHTS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self.weights = SharedWeights(default_weights_dir(self.run_dir) / name, numel, create=True)
-            weights_spec = {"path": str(self.weights.path), "numel": numel}
+        self.weights, weights_spec = self._engine.weights(self.manager, self.run_dir, numel)
         version = 0
         if checkpoint is not None:  # collectors start from the checkpoint's policy *and* its version number, or
             model.load_state_dict(checkpoint["model"])  # their first groups look older than the resumed learner
@@ -118,10 +102,13 @@ class Service:
                     "authkey_file": str(self.run_dir / AUTHKEY), "registry": REGISTRY_NAME,
                     "store": str(self.store), "run_dir": str(self.run_dir.resolve()),
                     "weights": weights_spec, "config": cfg.to_json(), "pid": os.getpid(), "engine": self.engine}
-        if self.engine == "ray":
-            endpoint["ray"] = self.manager.spec()
+        endpoint.update(self._engine.endpoint_fields(self.manager))
         self.coordinator.set_endpoint(endpoint)
         write_endpoint(self.run_dir, endpoint)
+
+    def host_pids(self) -> dict[str, int]:
+        """The pids of the processes that host the service beyond its manager (Ray: its actors)."""
+        return self._engine.host_pids(self.manager) if self.manager is not None else {}
 
     def status(self) -> dict[str, Any]:
         """The coordinator's figures plus the grouping counters (:class:`ManagerDiedError` if it is gone)."""
@@ -175,10 +162,7 @@ class Service:
                 self.manager.shutdown()
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            if self.engine == "ray":  # the shards' logs: a resumed run requeues from the staging area instead
-                from rbpipe.service.ray import shard_log_dir
-
-                shutil.rmtree(shard_log_dir(self.run_dir, self.manager.prefix), ignore_errors=True)
+            self._engine.remove_logs(self.manager, self.run_dir)
         if self.weights is not None:
             self.weights.unlink()
         (self.run_dir / RATE_LIMIT).unlink(missing_ok=True)

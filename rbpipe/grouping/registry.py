@@ -42,6 +42,7 @@ import os
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +174,21 @@ def _fields_td(reward: tuple) -> TensorDict:
     return td
 
 
+def shard_of(group, shards: int) -> int:
+    """The registry shard of group key ``group``: a hash that is the same in every process and every run
+    (Python's ``hash`` of a str is salted per process). The one shard function of both engines: the Ray
+    engine's registry shards are placed by it and their logs (``shard-<index>.log``) replayed by it, so it must
+    not change; the local registry stripes its locks with it too."""
+    if shards <= 1:
+        return 0
+    if isinstance(group, bool) or not isinstance(group, int):
+        try:
+            group = int(group)  # numpy / 0-d tensor ints hash like ints
+        except (TypeError, ValueError):
+            return zlib.crc32(repr(group).encode()) % shards
+    return zlib.crc32(str(group).encode()) % shards
+
+
 class _Shard:
     def __init__(self, options: dict) -> None:
         self.lock = threading.Lock()
@@ -246,7 +262,7 @@ class GroupRegistry:
         TEMPORARY_STAGING.add(str(path))
 
     def _shard(self, group) -> _Shard:
-        return self._shards[hash(group) % len(self._shards)]
+        return self._shards[shard_of(group, len(self._shards))]
 
     @staticmethod
     def _skeleton(gid: int, hidx: int, reward: tuple) -> TensorDict:

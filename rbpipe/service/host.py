@@ -27,6 +27,8 @@ class ServiceHost(RegistryHost, Protocol):
 
     def get_coordinator(self, name: str, settings: dict | None = None) -> Any: ...
 
+    def shutdown(self) -> None: ...
+
 
 def _get_coordinator(name: str, settings: dict | None = None):
     from rbpipe.service.coordinator import get_coordinator  # manager-side: only a service's manager builds one

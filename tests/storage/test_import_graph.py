@@ -109,6 +109,12 @@ def test_rooms_import_only_rooms_below_them():
     assert not upward, "imports of a room in the same or a higher layer: " + "; ".join(upward)
 
 
+def test_the_package_root_holds_at_most_ten_modules():
+    """The root is for the nouns every room shares; a new module goes into the room of its job (issue 34)."""
+    root = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert len(root) <= 10, root
+
+
 def test_the_graph_scans_the_workers():
     graph = _graph()
     assert {"rbpipe.workers.serve", "rbpipe.workers.launcher"} <= set(graph)

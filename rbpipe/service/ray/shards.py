@@ -17,10 +17,10 @@ from __future__ import annotations
 import functools
 import os
 import time
-import zlib
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
+from rbpipe.grouping.registry import shard_of
 from rbpipe.rundir import SHARD_LOG
 from rbpipe.service.ray.common import COORDINATOR_NAME, _get, _Proxy, _ray
 from rbpipe.service.ray.shardlog import LOGGED, call_record, open_record, options_fingerprint, read_log
@@ -30,21 +30,6 @@ from rbpipe.service.ray.shardlog import LOGGED, call_record, open_record, option
 NOTIFY_S = 0.02
 #: Seconds a caller waits for a shard that Ray restarts (it replays its log) before the run fails.
 RESTART_WAIT_S = 60.0
-
-
-def shard_of(group, shards: int) -> int:
-    """The registry shard of group key ``group``: a hash that is the same in every process and every run
-    (Python's ``hash`` of a str is salted per process)."""
-    if shards <= 1:
-        return 0
-    if isinstance(group, bool) or not isinstance(group, int):
-        try:
-            group = int(group)  # numpy / 0-d tensor ints hash like ints
-        except (TypeError, ValueError):
-            return zlib.crc32(repr(group).encode()) % shards
-    return zlib.crc32(str(group).encode()) % shards
-
-
 
 
 class RegistryAwaitsOptions(LookupError):

@@ -24,6 +24,13 @@ from rbpipe.errors import ConfigError
 MCADVANTAGE_OPTIONS = ("rewards_key", "advantage_key", "done_key", "trajectory_return", "keep_return_bounds",
                        "candidate_group_size", "candidate_selection_min_size", "candidate_selector", "verbose")
 SAMPLERS = ("random", "without_replacement", "fresh")
+#: the fields of torchrl's LLM layout whose length varies from step to step. A store infers the others' shapes
+#: from its first group: a batch whose prompts happened to be of one length would fix ``("tokens", "prompt")``'s
+#: and every later group with another length would be refused, so these are declared when the store is created
+#: (per-token rewards, and so advantages, vary too)
+LLM_RAGGED_KEYS = tuple((group, name) for group, names in (
+    ("tokens", ("prompt", "response", "full")), ("log_probs", ("prompt", "response", "full")),
+    ("masks", ("all_attention_mask", "all_assistant_mask"))) for name in names) + (("next", "reward"), "advantage")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class Spec:
     registry: str = ""
     write_transforms: tuple = ()
     read_transforms: tuple = ()
+    ragged_keys: tuple = ()
 
     def with_transform(self, transform, invert: bool) -> Spec:
         if invert:
@@ -117,7 +125,8 @@ def _open_store(spec: Spec, cfg: Any):
         from rbpipe.schema import GROUP_KEY, RAGGED_KEYS
 
         return cls(spec.store, ragged_keys=RAGGED_KEYS, group_key=GROUP_KEY, ragged_layout="rows")
-    return cls(spec.store, group_key=spec.prompt_key, ragged_layout="rows")
+    return cls(spec.store, group_key=spec.prompt_key, ragged_layout="rows",
+               ragged_keys=(*LLM_RAGGED_KEYS, *spec.ragged_keys))
 
 
 def make_sampler(spec: Spec):

@@ -197,7 +197,7 @@ def _shut_down(buffer, manager) -> None:
 
 def replay_buffer(store: str | Path | None = None, *, grpo_size: int, batch_size: int | None = None,
                   prompt_key="query", run_dir: str | Path | None = None, sampler: Any = "random",
-                  backend: str = "arrow", listen: tuple[str, int] | None = None,
+                  backend: str = "arrow", listen: tuple[str, int] | None = None, ragged_keys=(),
                   **mcadvantage_options: Any) -> TorchRLReplayBuffer:
     """A shared GRPO replay buffer for torchrl's LLM stack, in place of ``RayReplayBuffer(storage=LazyStackStorage,
     transform_factory=partial(MCAdvantage, grpo_size=...), batch_size=...)``.
@@ -213,6 +213,8 @@ def replay_buffer(store: str | Path | None = None, *, grpo_size: int, batch_size
             ``grpo-sync.py`` passes), ``"fresh"`` (rbpipe: whole groups, each once), or a torchrl
             ``Sampler`` class or instance.
         backend: ``"arrow"`` or ``"zarr"`` for a new store.
+        ragged_keys: keys of your own whose length varies between steps, beside torchrl's LLM fields (declared
+            when a new store is created).
         listen: ``(host, port)`` for the grouping manager to listen on TCP, so processes on other hosts that
             see the store can write (default: a Unix socket, this host only).
         mcadvantage_options: ``MCAdvantage``'s other options (``rewards_key``, ``advantage_key``, ``done_key``,
@@ -227,7 +229,7 @@ def replay_buffer(store: str | Path | None = None, *, grpo_size: int, batch_size
     unknown = sorted(set(mcadvantage_options) - set(MCADVANTAGE_OPTIONS))
     if unknown:
         raise ConfigError(f"replay_buffer() got unknown option(s) {', '.join(unknown)}: it takes store, grpo_size, "
-                          f"batch_size, prompt_key, run_dir, sampler, backend, listen and MCAdvantage's "
+                          f"batch_size, prompt_key, run_dir, sampler, backend, listen, ragged_keys and MCAdvantage's "
                           f"{', '.join(MCADVANTAGE_OPTIONS)}")
     if int(grpo_size) < 1:
         raise ConfigError(f"grpo_size must be >= 1, got {grpo_size}")
@@ -243,7 +245,7 @@ def replay_buffer(store: str | Path | None = None, *, grpo_size: int, batch_size
         raise ConfigError("replay_buffer() needs store= (a directory for a new or existing store), or run_dir= of a "
                           "running `rbpipe serve`")
     make_sampler(Spec(store=str(store), **dict(fields, grouping={})))
-    spec, manager = new_local(store, listen=listen, backend=backend, **fields)
+    spec, manager = new_local(store, listen=listen, backend=backend, ragged_keys=tuple(ragged_keys), **fields)
     try:
         return TorchRLReplayBuffer(spec, manager=manager)
     except BaseException:

@@ -97,3 +97,44 @@ def with_sampling_log_probs(batch, actor):
     for row, log_probs in zip(batch.unbind(0), scored.get(("log_probs", "full"), as_list=True), strict=True):
         row.set(("log_probs", "full"), log_probs)
     return batch
+
+
+def synthetic_steps(prompts: int, per_prompt: int, seed: int, collector: int = 0):
+    """``[prompts * per_prompt]`` steps in the layout ``LLMCollector`` writes (tensorclasses, a ``History`` per
+    step, ragged tokens, a string ``"query"``), without running a model: for the tests that need many."""
+    from tensordict import lazy_stack
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies.common import ChatHistory, LogProbs, Masks, Text, Tokens
+
+    g = torch.Generator().manual_seed(seed)
+    steps = []
+    for p in range(prompts):
+        query = questions(prompts)[p]["query"]
+        for _ in range(per_prompt):
+            n_prompt, n_resp = 5 + p, int(torch.randint(1, 9, (), generator=g))
+            response = "".join(chr(97 + int(i)) for i in torch.randint(0, 26, (n_resp,), generator=g))
+            chat = [{"role": "system", "content": f"collector {collector}"}, {"role": "user", "content": query}]
+            full = torch.randint(3, 40, (n_prompt + n_resp,), generator=g)
+            step = TensorDict({
+                "tokens": Tokens(prompt=full[:n_prompt], response=full[n_prompt:], full=full),
+                "log_probs": LogProbs(response=-torch.rand(n_resp, generator=g)),
+                "masks": Masks(all_attention_mask=torch.ones(n_prompt + n_resp, dtype=torch.bool)),
+                "text": Text(prompt=f"<p>{query}", response=response, full=f"<p>{query}{response}"),
+                "history": ChatHistory(prompt=History.from_chats(chat),
+                                       full=History.from_chats([*chat, {"role": "assistant", "content": response}])),
+                "done": torch.ones(1, dtype=torch.bool),
+                "next": TensorDict({"reward": torch.rand(1, 1, generator=g), "done": torch.ones(1, dtype=torch.bool)}),
+            })
+            step.set_non_tensor("query", query)
+            step.set_non_tensor(("next", "query"), query)
+            steps.append(step)
+    return lazy_stack(steps)
+
+
+def write_steps(rb, steps, chunk: int = 3) -> int:
+    """A writer process: ``steps`` handed over ``chunk`` at a time; returns how many."""
+    set_list_to_stack(True).set()
+    torch.set_num_threads(1)
+    for start in range(0, steps.shape[0], chunk):
+        rb.extend(steps[start:start + chunk])
+    return steps.shape[0]

@@ -34,13 +34,13 @@ _CLASS_NAMES = {"text": "Text", "tokens": "Tokens", "log_probs": "LogProbs", "ma
 _SKIPPED_FIELDS = ("padded",)  # a flag about how the wrapper laid tensors out, not data
 
 
-def _classes() -> dict[str, type]:
+def _classes() -> dict[str, Any]:
     from torchrl.modules.llm.policies import common
 
     return {name: getattr(common, cls) for name, cls in _CLASS_NAMES.items()}
 
 
-def _history_type() -> type:
+def _history_type() -> Any:
     from torchrl.data.llm import History
 
     return History
@@ -50,7 +50,7 @@ def _key_name(path: tuple) -> str:
     return ".".join(map(str, path))
 
 
-def _encode_value(value: Any, path: tuple, history: type) -> Any:
+def _encode_value(value: Any, path: tuple, history: Any) -> Any:
     """One leaf or sub-structure of a step -> tensor, str, plain TensorDict, or None (left out)."""
     if value is None or isinstance(value, torch.Tensor):
         return value
@@ -67,7 +67,7 @@ def _encode_value(value: Any, path: tuple, history: type) -> Any:
                              "ChatHistory); convert it to a tensor or a str, or exclude it before extend()")
 
 
-def _encode_step(step: TensorDictBase, path: tuple, history: type) -> TensorDict:
+def _encode_step(step: TensorDictBase, path: tuple, history: Any) -> TensorDict:
     out = TensorDict(batch_size=step.batch_size)
     for name in step.keys():
         if name in _SKIPPED_FIELDS and path and path[-1] in _CLASS_NAMES:
@@ -94,7 +94,7 @@ def encode(data: TensorDictBase) -> TensorDictBase:
     return lazy_stack([_encode_step(step, (), history) for step in data.unbind(0)])
 
 
-def _decode_step(step: TensorDictBase, classes: dict[str, type], history: type) -> TensorDictBase:
+def _decode_step(step: TensorDictBase, classes: dict[str, Any], history: Any) -> TensorDictBase:
     for name in list(step.keys()):
         value = step.get(name)
         if name == "next" and isinstance(value, TensorDictBase):

@@ -110,7 +110,7 @@ def _open_manager(spec: Spec, manager: Any) -> tuple[Any, Any]:
         return attachment.manager, attachment.config()
     from rbpipe.buffer import connect_manager
 
-    return connect_manager(spec.address, spec.authkey), None
+    return connect_manager(spec.address, spec.authkey or b""), None
 
 
 def _open_store(spec: Spec, cfg: Any):

@@ -57,7 +57,7 @@ class TorchRLReplayBuffer:
         return {"spec": self._spec, "write_count_base": self._write_count_base}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"])
+        TorchRLReplayBuffer.__init__(self, state["spec"])
         self._write_count_base = state["write_count_base"]
 
     # -- writing -----------------------------------------------------------------------------------------------
@@ -111,11 +111,11 @@ class TorchRLReplayBuffer:
         """One batch of :meth:`__iter__`, or None once the sampler ran out (torchrl's ``next``)."""
         iterator = self.__dict__.get("_iterator")
         if iterator is None:
-            iterator = self._iterator = iter(self)
+            iterator = self.__dict__["_iterator"] = iter(self)
         try:
             return next(iterator)
         except StopIteration:
-            self._iterator = None
+            self.__dict__["_iterator"] = None
             return None
 
     # -- counters and state -----------------------------------------------------------------------------------
@@ -222,9 +222,11 @@ def replay_buffer(store: str | Path | None = None, *, grpo_size: int, batch_size
 
     Examples:
         >>> import rbpipe, tempfile
-        >>> rb = rbpipe.replay_buffer(tempfile.mkdtemp() + "/store", grpo_size=4, batch_size=8)  # doctest: +SKIP
-        >>> collector = LLMCollector(env, policy=policy, replay_buffer=rb, ...)  # doctest: +SKIP
-        >>> batch = rb.sample()  # doctest: +SKIP
+        >>> rb = rbpipe.replay_buffer(tempfile.mkdtemp() + "/store", grpo_size=4, batch_size=8)
+        >>> len(rb), rb.write_count
+        (0, 0)
+        >>> # LLMCollector(env, policy=policy, replay_buffer=rb, ...); then rb.sample() for GRPOLoss
+        >>> rb.close()
     """
     unknown = sorted(set(mcadvantage_options) - set(MCADVANTAGE_OPTIONS))
     if unknown:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import textwrap
@@ -35,7 +34,8 @@ def _by_member(rows) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", [{}, {"trajectory_return": "mean"}, {"trajectory_return": "sum", "keep_return_bounds": (0.2, 0.8)}],
+@pytest.mark.parametrize("options", [{}, {"trajectory_return": "mean"},
+                                     {"trajectory_return": "sum", "keep_return_bounds": (0.2, 0.8)}],
                          ids=["default", "trajectory-return", "return-bounds"])
 def test_same_groups_and_advantages_as_torchrls_buffer(tmp_path, options):
     steps = synthetic_steps(5, 4, seed=3)

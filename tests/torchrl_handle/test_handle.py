@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -173,3 +174,36 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+@pytest.mark.timeout(180)
+def test_attaches_to_a_running_rbpipe_serve(tmp_path):
+    run_dir = tmp_path / "run"
+    serve = subprocess.Popen([sys.executable, "-m", "rbpipe.cli", "serve", "--no-progress", "--run-dir", str(run_dir),
+                              "--grpo-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(1200):
+            if (run_dir / "endpoint.json").exists() or serve.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.1"])
+        assert serve.poll() is None, serve.stdout.read()
+        with pytest.raises(ConfigError, match="grpo_size=4 differs from the service's"):
+            rbpipe.replay_buffer(run_dir=run_dir, grpo_size=4, batch_size=2)
+        rb = rbpipe.replay_buffer(run_dir=run_dir, grpo_size=2, batch_size=2)
+        try:
+            rb.extend(synthetic_steps(2, 2, seed=0))
+            assert len(rb) == rb.write_count == 4
+            assert rb.store == run_dir / "store"
+            assert rb.sample().get(("tokens", "full"), as_padded_tensor=True).shape[0] == 2
+            copy = pickle.loads(pickle.dumps(rb))  # reattaches through the run directory
+            assert len(copy) == 4
+            copy.close()
+        finally:
+            rb.close()
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()

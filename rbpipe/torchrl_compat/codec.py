@@ -51,7 +51,7 @@ def _key_name(path: tuple) -> str:
 
 
 def _encode_value(value: Any, path: tuple, history: Any) -> Any:
-    """One leaf or sub-structure of a step -> tensor, str, plain TensorDict, or None (left out)."""
+    """One leaf or sub-structure of a step -> tensor, str, dict (a sub-TensorDict), or None (left out)."""
     if value is None or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, history):
@@ -61,37 +61,37 @@ def _encode_value(value: Any, path: tuple, history: Any) -> Any:
     if isinstance(value, str) or value is None:
         return value
     if is_tensorclass(value) or isinstance(value, TensorDictBase):
-        return _encode_step(value if isinstance(value, TensorDictBase) else value._tensordict, path, history)
+        return _encode_fields(value if isinstance(value, TensorDictBase) else value._tensordict, path, history)
     raise BadTrajectoryError(f"leaf {_key_name(path)!r} holds {type(value).__name__}: the rbpipe buffer stores "
                              "tensors, str and torchrl's LLM tensorclasses (Text, Tokens, LogProbs, Masks, "
                              "ChatHistory); convert it to a tensor or a str, or exclude it before extend()")
 
 
-def _encode_step(step: TensorDictBase, path: tuple, history: Any) -> TensorDict:
-    out = TensorDict(batch_size=step.batch_size)
+def _encode_fields(step: TensorDictBase, path: tuple, history: Any) -> dict:
+    out = {}
+    skip = _SKIPPED_FIELDS if path and path[-1] in _CLASS_NAMES else ()
     for name in step.keys():
-        if name in _SKIPPED_FIELDS and path and path[-1] in _CLASS_NAMES:
+        if name in skip:
             continue
         value = _encode_value(step.get(name), (*path, name), history)
-        if value is None:
-            continue
-        if isinstance(value, str):
-            out.set_non_tensor(name, value)
-        else:
-            out.set(name, value)
+        if value is not None:
+            out[name] = value
     return out
 
 
 def encode(data: TensorDictBase) -> TensorDictBase:
-    """``data`` (``[N]`` steps as ``LLMCollector`` writes them, or one ``[]`` step) as plain rows."""
+    """``data`` (``[N]`` steps as ``LLMCollector`` writes them, or one ``[]`` step) as plain rows. Each row is
+    built as one dict and made a TensorDict once (``str`` leaves become ``NonTensorData`` there): setting the
+    leaves one by one cost several times more."""
     if not isinstance(data, TensorDictBase):
         raise BadTrajectoryError(f"extend() takes a TensorDict of trajectories, got {type(data).__name__}")
     history = _history_type()
     if data.ndim == 0:
-        return _encode_step(data, (), history)
+        return TensorDict(_encode_fields(data, (), history), batch_size=data.batch_size)
     if data.ndim != 1:
         data = data.reshape(-1)  # [envs, steps]: one row per step, as torchrl's flattened collector output
-    return lazy_stack([_encode_step(step, (), history) for step in data.unbind(0)])
+    return lazy_stack([TensorDict(_encode_fields(step, (), history), batch_size=step.batch_size)
+                       for step in data.unbind(0)])
 
 
 def _decode_step(step: TensorDictBase, classes: dict[str, Any], history: Any) -> TensorDictBase:

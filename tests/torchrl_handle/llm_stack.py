@@ -99,9 +99,10 @@ def with_sampling_log_probs(batch, actor):
     return batch
 
 
-def synthetic_steps(prompts: int, per_prompt: int, seed: int, collector: int = 0):
+def synthetic_steps(prompts: int, per_prompt: int, seed: int, collector: int = 0, per_token: bool = False):
     """``[prompts * per_prompt]`` steps in the layout ``LLMCollector`` writes (tensorclasses, a ``History`` per
-    step, ragged tokens, a string ``"query"``), without running a model: for the tests that need many."""
+    step, ragged tokens, a string ``"query"``), without running a model: for the tests that need many.
+    ``per_token``: a reward per response token (``[n, 1]``) instead of one per sequence (``[1, 1]``)."""
     from tensordict import lazy_stack
     from torchrl.data.llm import History
     from torchrl.modules.llm.policies.common import ChatHistory, LogProbs, Masks, Text, Tokens
@@ -123,7 +124,8 @@ def synthetic_steps(prompts: int, per_prompt: int, seed: int, collector: int = 0
                 "history": ChatHistory(prompt=History.from_chats(chat),
                                        full=History.from_chats([*chat, {"role": "assistant", "content": response}])),
                 "done": torch.ones(1, dtype=torch.bool),
-                "next": TensorDict({"reward": torch.rand(1, 1, generator=g), "done": torch.ones(1, dtype=torch.bool)}),
+                "next": TensorDict({"reward": torch.rand(n_resp if per_token else 1, 1, generator=g),
+                                    "done": torch.ones(1, dtype=torch.bool)}),
             })
             step.set_non_tensor("query", query)
             step.set_non_tensor(("next", "query"), query)

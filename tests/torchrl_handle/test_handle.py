@@ -26,20 +26,22 @@ from torchrl_handle.llm_stack import synthetic_steps, write_steps
 
 
 def _by_member(rows) -> dict:
-    """``(query, response text) -> (reward, advantage)`` of every stored row."""
+    """``(query, response text) -> (rewards, advantages)`` of every stored row (one per sequence or per token)."""
     out = {}
     for row in rows.unbind(0):
-        out[(row["query"], row["text"].response)] = (float(row["next", "reward"].reshape(())),
-                                                     float(row["advantage"].reshape(())))
+        out[(row["query"], row["text"].response)] = (row["next", "reward"].reshape(-1).tolist(),
+                                                     row["advantage"].reshape(-1).tolist())
     return out
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("options", [{}, {"trajectory_return": "mean"},
-                                     {"trajectory_return": "sum", "keep_return_bounds": (0.2, 0.8)}],
-                         ids=["default", "trajectory-return", "return-bounds"])
+                                     {"trajectory_return": "sum", "keep_return_bounds": (0.2, 0.8)}, "per-token"],
+                         ids=["default", "trajectory-return", "return-bounds", "per-token-rewards"])
 def test_same_groups_and_advantages_as_torchrls_buffer(tmp_path, options):
-    steps = synthetic_steps(5, 4, seed=3)
+    per_token = options == "per-token"
+    options = {} if per_token else options
+    steps = synthetic_steps(5, 4, seed=3, per_token=per_token)
     order = torch.randperm(steps.shape[0], generator=torch.Generator().manual_seed(1))
     stream = lazy_stack([steps[int(i)] for i in order])  # members of different groups interleaved
     reference = ReplayBuffer(storage=LazyStackStorage(100), transform=MCAdvantage(grpo_size=4, **options),
@@ -55,6 +57,7 @@ def test_same_groups_and_advantages_as_torchrls_buffer(tmp_path, options):
         for key, (reward, advantage) in want.items():
             assert got[key][0] == reward
             assert got[key][1] == pytest.approx(advantage, abs=1e-6)
+            assert len(advantage) == len(reward) == (len(key[1]) if per_token else 1)
         stats, ref_stats = rb.grouping_stats(), reference._transform[0].get_stats()
         for name in ("completed_groups", "written_groups", "dropped_groups"):
             assert stats[name] == ref_stats[name], name

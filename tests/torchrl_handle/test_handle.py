@@ -149,19 +149,20 @@ def test_owner_exit_stops_the_manager_and_leaves_nothing(tmp_path):
         if __name__ == "__main__":
             rb = rbpipe.replay_buffer(sys.argv[1], grpo_size=2, batch_size=2)
             rb.extend(synthetic_steps(1, 3, seed=0))  # one group written, one trajectory queued
-            print(rb._manager._process.pid, flush=True)
+            print(rb._spec.address, rb._manager._process.pid, flush=True)
             if sys.argv[2] == "kill":
                 os.kill(os.getpid(), 9)
     """)
     for how in ("exit", "kill"):
         out = subprocess.run([sys.executable, "-c", script, str(tmp_path / how), how], capture_output=True,
                              text=True, timeout=100)
-        manager = int(out.stdout.split()[-1])
+        address, manager = out.stdout.split()[-2], int(out.stdout.split()[-1])
         for _ in range(100):  # the manager polls its owner (0.25 s)
             if not _alive(manager):
                 break
             subprocess.run(["sleep", "0.1"])
         assert not _alive(manager), how
+        assert not os.path.exists(os.path.dirname(address)), how  # its socket directory went with it
     reopened = rbpipe.replay_buffer(tmp_path / "exit", grpo_size=2, batch_size=2)
     try:
         assert len(reopened) == 2  # the store keeps what was committed

@@ -153,10 +153,11 @@ def test_owner_exit_stops_the_manager_and_leaves_nothing(tmp_path):
             if sys.argv[2] == "kill":
                 os.kill(os.getpid(), 9)
     """)
-    for how in ("exit", "kill"):
-        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / how), how], capture_output=True,
-                             text=True, timeout=100)
-        address, manager = out.stdout.split()[-2], int(out.stdout.split()[-1])
+    owners = {how: subprocess.Popen([sys.executable, "-c", script, str(tmp_path / how), how], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for how in ("exit", "kill")}  # side by side
+    for how, owner in owners.items():
+        stdout, _ = owner.communicate(timeout=100)
+        address, manager = stdout.split()[-2], int(stdout.split()[-1])
         for _ in range(100):  # the manager polls its owner (0.25 s)
             if not _alive(manager):
                 break

@@ -212,3 +212,19 @@ def test_attaches_to_a_running_rbpipe_serve(tmp_path):
         except subprocess.TimeoutExpired:
             serve.kill()
             serve.wait()
+
+
+@pytest.mark.timeout(60)
+def test_listen_on_tcp_for_writers_elsewhere(tmp_path):
+    """``listen=``: the manager takes TCP connections (writers on other hosts that see the store); a copy of the
+    handle joins over TCP."""
+    rb = rbpipe.replay_buffer(tmp_path / "store", grpo_size=2, batch_size=2, listen=("127.0.0.1", 0))
+    try:
+        host, port = rb._spec.address
+        assert host == "127.0.0.1" and port > 0
+        copy = pickle.loads(pickle.dumps(rb))
+        copy.extend(synthetic_steps(1, 2, seed=0))
+        copy.close()
+        assert len(rb) == rb.write_count == 2
+    finally:
+        rb.close()

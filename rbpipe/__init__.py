@@ -20,7 +20,8 @@ _EXPORTS = {
     "LearnerClient": "rbpipe.service.clients", "RunConfig": "rbpipe.config", "SharedMCAdvantage": "rbpipe.grouping",
     "make_replay_buffer": "rbpipe.buffer", "open_storage": "rbpipe.storage", "group_buffer": "rbpipe.storage",
     "ArrowStorage": "rbpipe.storage", "ZarrStorage": "rbpipe.storage", "FreshGroupSampler": "rbpipe.sampling",
-    "RateLimiter": "rbpipe.rate_limit",
+    "RateLimiter": "rbpipe.rate_limit", "replay_buffer": "rbpipe.torchrl_compat",
+    "TorchRLReplayBuffer": "rbpipe.torchrl_compat",
 }
 __all__ = ["__version__", *_EXPORTS]
 

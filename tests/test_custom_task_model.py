@@ -8,9 +8,6 @@ one-line errors (exit code 2) that leave no run directory.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from rbpipe.schema import (
     ROLLOUT_LOG_PROBS_KEY,
     VERSION_KEY,
 )
+from tests.process_helpers import run_cli
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "1",
        "--groups-per-step", "2", "--grpo-size", "4", "--max-new-tokens", "3"]
@@ -85,20 +83,6 @@ def task_file(tmp_path: Path) -> Path:
     path = tmp_path / "my_task.py"
     path.write_text(TASK_FILE)
     return path
-
-
-def run_cli(args: list[str], timeout: float) -> tuple[int, str, str]:
-    """Run ``rbpipe`` in its own session; whatever happens, the launcher and its workers are killed."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return proc.returncode, out, err
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ runs (subprocesses in their own session, killed whatever happens) check what lan
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +20,7 @@ from text_model import EOS_ID, chat_model, chat_tokenizer, save_chat_model
 
 from rbpipe.errors import ConfigError
 from rbpipe.generation import LENGTH, STOP, Sampling, generate
+from tests.process_helpers import run_cli
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "2",
        "--groups-per-step", "2", "--grpo-size", "4", "--max-new-tokens", "24", "--lr", "1e-3"]
@@ -85,21 +84,6 @@ def score(prompt, response, answer, bonus, **rest):
     assert not rest, rest
     return float(response.count(str(answer))) + float(bonus)
 '''
-
-
-def run_cli(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
-    """Run ``rbpipe`` in its own session; whatever happens, the launcher and its workers are killed."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return proc.returncode, out, err
 
 
 def _import(path: Path, name: str):

@@ -42,9 +42,11 @@ def _in_ci() -> bool:
 
 
 def _rbpipe_query(store: Path, sql: str) -> list[dict]:
-    out = subprocess.run(CLI + ["query", str(store), sql, "--json"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["rows"]
+    """What ``rbpipe query STORE SQL --json`` prints, run in this process (the command's own functions: a
+    process per query only added its start-up, a dozen times)."""
+    from rbpipe.query import query, to_json
+
+    return json.loads(to_json(query(store, sql)))["rows"]
 
 
 def _run(args: list[str], timeout: float = 280) -> None:

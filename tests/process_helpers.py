@@ -1,5 +1,5 @@
-"""Shared by tests that run real processes: the ``rbpipe`` command line as a user runs it, and a child that stops
-itself (SIGSTOP) at the exact point a test fires its fault."""
+"""Shared by tests that run real processes: the ``rbpipe`` command line as a user runs it (and refuses bad input),
+a child that stops itself (SIGSTOP) at the exact point a test fires its fault, a server process stopped."""
 
 from __future__ import annotations
 
@@ -35,3 +35,29 @@ def wait_stopped(pid: int, timeout: float) -> bool:
             return os.WIFSTOPPED(status)
         time.sleep(0.02)
     return False
+
+
+def assert_run_refuses(cases: list[tuple[list[str], str]], tmp_path, capsys) -> None:
+    """``rbpipe run ARGS`` (in this process) for each ``(ARGS, NAMED)`` of ``cases``: exit 2 with one line
+    ``rbpipe run: error: ...`` that names ``NAMED``, before anything is written."""
+    from rbpipe.cli import main
+
+    capsys.readouterr()  # what came before (e.g. save_pretrained's progress output)
+    for args, expected in cases:
+        run_dir = tmp_path / "run"
+        rc = main(["run", "--no-progress", "--steps", "1", "--run-dir", str(run_dir), *args])
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert rc == 2, (args, err)
+        assert len(lines) == 1 and lines[0].startswith("rbpipe run: error: ") and expected in lines[0], (args, err)
+        assert not run_dir.exists() and not (tmp_path / "runs").exists(), args
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM ``proc`` and wait for it; SIGKILL if it is still there after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -23,7 +23,7 @@ from rbpipe.schema import (
     ROLLOUT_LOG_PROBS_KEY,
     VERSION_KEY,
 )
-from tests.process_helpers import run_cli
+from tests.process_helpers import assert_run_refuses, run_cli
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "1",
        "--groups-per-step", "2", "--grpo-size", "4", "--max-new-tokens", "3"]
@@ -180,7 +180,6 @@ def _bad_model_dirs(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.timeout(60)
 def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_starts(tmp_path, task_file,
                                                                                     monkeypatch, capsys):
-    from rbpipe.cli import main
 
     monkeypatch.chdir(tmp_path)  # a default run directory would appear under ./runs
     cases = [
@@ -194,15 +193,7 @@ def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_start
     ]
     for path in _bad_model_dirs(tmp_path).values():
         cases.append((["--model", str(path)], "--model"))
-    capsys.readouterr()  # save_pretrained's own progress output
-    for args, expected in cases:
-        run_dir = tmp_path / "run"
-        rc = main(["run", "--no-progress", "--steps", "1", "--run-dir", str(run_dir), *args])
-        err = capsys.readouterr().err
-        lines = err.strip().splitlines()
-        assert rc == 2, (args, err)
-        assert len(lines) == 1 and lines[0].startswith("rbpipe run: error: ") and expected in lines[0], (args, err)
-        assert not run_dir.exists() and not (tmp_path / "runs").exists(), args
+    assert_run_refuses(cases, tmp_path, capsys)
 
 
 def test_the_built_in_task_is_a_spec_and_specs_survive_the_saved_config(tmp_path, task_file):

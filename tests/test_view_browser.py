@@ -30,6 +30,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 sys.path.insert(0, str(Path(__file__).parent))
 from view_helpers import listing  # noqa: E402
 
+from tests.process_helpers import terminate  # noqa: E402
+
 CLI = [sys.executable, "-m", "rbpipe.cli"]
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -101,12 +103,7 @@ def served(first_run):
         assert m, line + proc.stderr.read()
         yield m.group(1)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
     assert proc.returncode == 0, proc.stderr.read()
 
 
@@ -286,10 +283,5 @@ def test_pages_of_a_larger_store_live_and_in_the_file(browser, tmp_path):
             browser.find_element(By.ID, "prev").click()
             _wait(browser, lambda d: [int(r["seq"]) for r in _table(d)] == want[:100], "back to the first page")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
         proc.stdout.close()

@@ -23,6 +23,8 @@ from rbpipe.grouping.staging import Staging, _sweep
 from tests.grouping.helpers import MINIMAL_KEYS, child, lease_manager, recover_within, traj, writer_child
 
 UNSHARE = ("unshare", "-Urpf")  # a new user + PID namespace
+# a bound for every test: the first one also starts the fork server and a manager (60 s ran out at load 20)
+pytestmark = pytest.mark.timeout(300)
 TTL = 1.5  # seconds: the short lease of the manager these tests start (the short_lease_manager fixture)
 
 # after the shared preamble (tests.grouping.helpers.WRITER_CHILD): complete one group, then hold it or leave
@@ -110,7 +112,6 @@ def _write_once(t: SharedMCAdvantage, claims: list, claim_id: str) -> None:
     assert t.recover() == [] and t.recover(force=True) == []  # nobody gets it a second time
 
 
-@pytest.mark.timeout(60)
 def test_a_live_lease_keeps_its_claim_whatever_its_pid(tmp_path, grouping_manager):
     t = _transform(grouping_manager, tmp_path, "leases-live")
     other = _transform(grouping_manager, tmp_path, "leases-live")
@@ -128,7 +129,6 @@ def test_a_live_lease_keeps_its_claim_whatever_its_pid(tmp_path, grouping_manage
     other.confirm(claim)
 
 
-@pytest.mark.timeout(60)
 def test_an_unknown_owner_counts_as_dead(tmp_path, grouping_manager):
     t = _transform(grouping_manager, tmp_path, "leases-int")
     _append_as(t, os.getpid(), traj(0, 2, [1.0]))  # an int owner (no lease): as a writer that died
@@ -137,7 +137,6 @@ def test_an_unknown_owner_counts_as_dead(tmp_path, grouping_manager):
     t.confirm(claim)
 
 
-@pytest.mark.timeout(90)
 def test_a_sigkilled_writers_claim_is_recovered_once_its_lease_expires(tmp_path, short_lease_manager):
     t = _transform(short_lease_manager, tmp_path)
     proc = None
@@ -154,7 +153,6 @@ def test_a_sigkilled_writers_claim_is_recovered_once_its_lease_expires(tmp_path,
         _stop(proc)
 
 
-@pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["close", "exit"])
 def test_a_clean_leave_hands_its_claim_on_at_once(tmp_path, monkeypatch, mode):
     # leases that outlive the test: the claim can only be handed on by the writer's leave, never by its expiry,
@@ -173,7 +171,6 @@ def test_a_clean_leave_hands_its_claim_on_at_once(tmp_path, monkeypatch, mode):
             _stop(proc)
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.skipif(not _has_pid_namespaces() and not os.environ.get("CI"),
                     reason="needs unshare with user and PID namespaces (CI runs it)")
 def test_a_writer_that_is_pid_1_in_its_namespace_keeps_its_claim_and_loses_it_when_killed(
@@ -196,7 +193,6 @@ def _frees(path: Path) -> int:
     return len(list(path.glob(f"{Staging.FREE}*")))
 
 
-@pytest.mark.timeout(60)
 def test_sweep_keeps_a_live_owners_directory_whatever_pid_it_is_named_after(tmp_path):
     root = tmp_path / "staging"
     Staging(root)
@@ -223,7 +219,6 @@ def test_sweep_keeps_a_live_owners_directory_whatever_pid_it_is_named_after(tmp_
         _stop(proc)
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.skipif(not _has_pid_namespaces() and not os.environ.get("CI"),
                     reason="needs unshare with user and PID namespaces (CI runs it)")
 def test_sweep_keeps_the_directory_of_a_live_owner_in_another_pid_namespace(tmp_path):
@@ -251,7 +246,6 @@ def _heartbeats() -> set:
     return {th for th in threading.enumerate() if th.name == "rbpipe-lease-heartbeat"}
 
 
-@pytest.mark.timeout(60)
 def test_a_transform_dropped_without_close_takes_its_heartbeat_and_lease_with_it(tmp_path, grouping_manager):
     import gc
 

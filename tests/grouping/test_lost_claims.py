@@ -16,6 +16,8 @@ from rbpipe.grouping import SharedMCAdvantage
 from tests.grouping.helpers import MINIMAL_KEYS, recover_within, traj, writer_child
 from tests.process_helpers import wait_stopped
 
+# a bound for every test: the first one also starts the fork server and a manager (60 s ran out at load 20)
+pytestmark = pytest.mark.timeout(300)
 TTL = 1.0  # seconds: the short lease of the manager these tests start (the short_lease_manager fixture)
 
 # after the shared preamble (tests.grouping.helpers.WRITER_CHILD): freeze at the point under test, then report
@@ -44,7 +46,6 @@ print(json.dumps(out), flush=True)
 """
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("freeze", ["before_load", "after_load"])
 def test_a_writer_frozen_past_its_lease_does_not_hand_out_the_group_again(tmp_path, short_lease_manager, freeze):
     t = SharedMCAdvantage(2, prompt_key="group_id", manager=short_lease_manager, staging_dir=tmp_path / "staging",

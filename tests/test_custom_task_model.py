@@ -8,9 +8,6 @@ one-line errors (exit code 2) that leave no run directory.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from rbpipe.trajectory import (
     ROLLOUT_LOG_PROBS_KEY,
     VERSION_KEY,
 )
+from tests.process_helpers import assert_run_refuses, run_cli
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "1",
        "--groups-per-step", "2", "--grpo-size", "4", "--max-new-tokens", "3"]
@@ -85,20 +83,6 @@ def task_file(tmp_path: Path) -> Path:
     path = tmp_path / "my_task.py"
     path.write_text(TASK_FILE)
     return path
-
-
-def run_cli(args: list[str], timeout: float) -> tuple[int, str, str]:
-    """Run ``rbpipe`` in its own session; whatever happens, the launcher and its workers are killed."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return proc.returncode, out, err
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +180,6 @@ def _bad_model_dirs(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.timeout(60)
 def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_starts(tmp_path, task_file,
                                                                                     monkeypatch, capsys):
-    from rbpipe.cli.commands import main
 
     monkeypatch.chdir(tmp_path)  # a default run directory would appear under ./runs
     cases = [
@@ -210,15 +193,7 @@ def test_bad_task_specs_and_model_dirs_are_one_line_errors_before_anything_start
     ]
     for path in _bad_model_dirs(tmp_path).values():
         cases.append((["--model", str(path)], "--model"))
-    capsys.readouterr()  # save_pretrained's own progress output
-    for args, expected in cases:
-        run_dir = tmp_path / "run"
-        rc = main(["run", "--no-progress", "--steps", "1", "--run-dir", str(run_dir), *args])
-        err = capsys.readouterr().err
-        lines = err.strip().splitlines()
-        assert rc == 2, (args, err)
-        assert len(lines) == 1 and lines[0].startswith("rbpipe run: error: ") and expected in lines[0], (args, err)
-        assert not run_dir.exists() and not (tmp_path / "runs").exists(), args
+    assert_run_refuses(cases, tmp_path, capsys)
 
 
 def test_the_built_in_task_is_a_spec_and_specs_survive_the_saved_config(tmp_path, task_file):

@@ -9,8 +9,6 @@ runs (subprocesses in their own session, killed whatever happens) check what lan
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +20,7 @@ from text_model import EOS_ID, chat_model, chat_tokenizer, save_chat_model
 
 from rbpipe.errors import ConfigError
 from rbpipe.model.generation import LENGTH, STOP, Sampling, generate
+from tests.process_helpers import assert_run_refuses, run_cli
 
 RUN = [sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--json", "--steps", "3", "--collectors", "2",
        "--groups-per-step", "2", "--grpo-size", "4", "--max-new-tokens", "24", "--lr", "1e-3"]
@@ -85,21 +84,6 @@ def score(prompt, response, answer, bonus, **rest):
     assert not rest, rest
     return float(response.count(str(answer))) + float(bonus)
 '''
-
-
-def run_cli(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
-    """Run ``rbpipe`` in its own session; whatever happens, the launcher and its workers are killed."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return proc.returncode, out, err
 
 
 def _import(path: Path, name: str):
@@ -262,7 +246,6 @@ def test_a_failed_reward_is_counted_and_its_sample_drawn_again_so_the_group_comp
 
 @pytest.mark.timeout(120)
 def test_bad_text_input_is_a_one_line_error_before_anything_is_written(tmp_path, monkeypatch, capsys):
-    from rbpipe.cli.commands import main
 
     monkeypatch.chdir(tmp_path)
     model = save_chat_model(tmp_path / "model")
@@ -284,15 +267,7 @@ def test_bad_text_input_is_a_one_line_error_before_anything_is_written(tmp_path,
         (["--reward-timeout", "0"], "--reward-timeout"),
         (["--top-p", "1.5"], "--top-p"),
     ]
-    capsys.readouterr()
-    for args, expected in cases:
-        run_dir = tmp_path / "run"
-        rc = main(["run", "--no-progress", "--steps", "1", "--run-dir", str(run_dir), *args])
-        err = capsys.readouterr().err
-        lines = err.strip().splitlines()
-        assert rc == 2, (args, err)
-        assert len(lines) == 1 and lines[0].startswith("rbpipe run: error: ") and expected in lines[0], (args, err)
-        assert not run_dir.exists() and not (tmp_path / "runs").exists(), args
+    assert_run_refuses(cases, tmp_path, capsys)
 
 
 # -- real runs -----------------------------------------------------------------------------------------------------

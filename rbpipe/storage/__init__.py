@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _LAZY = {"ArrowStorage": "rbpipe.storage.arrow", "ZarrStorage": "rbpipe.storage.zarr_storage",
          "GroupStorage": "rbpipe.storage.base", "GroupWriter": "rbpipe.storage.writer",
          "WriterLock": "rbpipe.storage.lock", "read_catalog": "rbpipe.storage.catalog",
+         "catalog_table": "rbpipe.storage.catalog",
          "inspect_store": "rbpipe.storage.catalog", "export_zarr": "rbpipe.storage.export"}
 
 
@@ -53,4 +54,5 @@ def group_buffer(storage: GroupStorage | str | os.PathLike, **kwargs):
 
 
 __all__ = ["ArrowStorage", "ZarrStorage", "GroupWriter", "WriterLock", "open_storage", "read_catalog",
-           "inspect_store", "export_zarr", "FORMAT_VERSION", "GroupStorage", "collate_identity", "group_buffer"]
+           "catalog_table", "inspect_store", "export_zarr", "FORMAT_VERSION", "GroupStorage", "collate_identity",
+           "group_buffer"]

@@ -139,10 +139,14 @@ def read_catalog(path: str | os.PathLike) -> pa.Table:
     path = Path(path)
     read_meta(path)
     replay = scan(path)
-    return _catalog_table(replay.groups, replay.evicted_upto)
+    return catalog_table(replay.groups, replay.evicted_upto)
 
 
-def _catalog_table(groups: dict[int, dict], evicted_upto: int) -> pa.Table:
+def catalog_table(groups: dict[int, dict], evicted_upto: int = -1) -> pa.Table:
+    """The catalogue (the ``groups`` view of ``rbpipe query``: one row per group, in ``groups``' order) of group
+    records already read from a commit log (``seq`` -> record); ``live`` is False for ``seq <= evicted_upto``.
+    For a reader that follows the log itself (``rbpipe view``) and needs exactly the columns
+    :func:`read_catalog` gives."""
     names = sorted(set(LIST_COLUMNS) | {k for r in groups.values() for k in r.get("cat", {})})
     rows = [_row(r, names) for r in groups.values()]  # the commit log is the source of truth
     table = _table(rows, names) if rows else _table([], names)
@@ -193,7 +197,7 @@ def inspect_store(path: str | os.PathLike, *, where: str | None = None, group=No
     path = Path(path)
     meta = read_meta(path)
     groups, evicted_upto, tail, _ = scan(path)
-    table = _catalog_table(groups, evicted_upto)
+    table = catalog_table(groups, evicted_upto)
     live = table.filter(table.column("live"))
     if where:
         live = select_groups(live, where)

@@ -75,9 +75,9 @@ def _connect():
 def _catalog_rows(records: list[dict]) -> pa.Table:
     """The ``groups`` view's rows (without ``live``) of these group records, built by the catalogue's own
     code so that the columns are exactly those of ``rbpipe query`` (``rbpipe.storage.query.groups_table``)."""
-    from rbpipe.storage.catalog import _catalog_table  # read_catalog's row builder, for records already read
+    from rbpipe.storage import catalog_table
 
-    table = _catalog_table({r["seq"]: r for r in records}, -1)
+    table = catalog_table({r["seq"]: r for r in records})
     return table.drop_columns(["live"])
 
 

@@ -47,17 +47,19 @@ def test_a_worker_sees_its_starters_environment_of_the_moment_and_ignores_ctrl_c
 
 STARTER = textwrap.dedent("""
     import sys, time
+    from pathlib import Path
     from rbpipe.system.procs import run_worker, worker_context
 
-    def forever():
+    def forever(ready):  # run by run_worker once its parent watchdog runs: says so, then runs until killed
+        Path(ready).touch()
         while True:
             time.sleep(0.1)
 
-    def body():
-        run_worker("test worker", forever)
+    def body(ready):
+        run_worker("test worker", forever, ready)
 
     if __name__ == "__main__":
-        proc = worker_context().Process(target=body, daemon=True)
+        proc = worker_context().Process(target=body, args=(sys.argv[1],), daemon=True)
         proc.start()
         print(proc.pid, flush=True)
         time.sleep(600)
@@ -68,7 +70,8 @@ STARTER = textwrap.dedent("""
 def test_a_worker_dies_when_its_starter_is_sigkilled(tmp_path):
     script = tmp_path / "starter.py"
     script.write_text(STARTER)
-    starter = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+    ready = tmp_path / "ready"
+    starter = subprocess.Popen([sys.executable, str(script), str(ready)], stdout=subprocess.PIPE, text=True,
                                start_new_session=True)
     worker = None
     try:
@@ -76,10 +79,13 @@ def test_a_worker_dies_when_its_starter_is_sigkilled(tmp_path):
         assert line.strip().isdigit(), line
         worker = int(line)
         assert pid_alive(worker)
-        time.sleep(1.0)  # the worker's watchdog is running
+        deadline = time.time() + 60  # a bound, not a delay: the worker's watchdog is running once it wrote `ready`
+        while not ready.exists() and pid_alive(worker) and time.time() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the worker never ran its target"
         starter.kill()
         starter.wait(10)
-        deadline = time.time() + 10
+        deadline = time.time() + 60
         while pid_alive(worker) and time.time() < deadline:
             time.sleep(0.05)
         assert not pid_alive(worker), "the worker outlived its SIGKILLed starter"

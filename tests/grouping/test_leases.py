@@ -16,32 +16,27 @@ from pathlib import Path
 
 import pytest
 
-from rbpipe.grouping import SharedMCAdvantage, start_manager
-from rbpipe.grouping.manager import call, manager_address
+from rbpipe.grouping import SharedMCAdvantage
+from rbpipe.grouping.manager import call
 from rbpipe.grouping.registry import encode_tensor
 from rbpipe.grouping.staging import Staging, _sweep
-from tests.grouping.helpers import MINIMAL_KEYS, traj
+from tests.grouping.helpers import MINIMAL_KEYS, child, lease_manager, recover_within, traj, writer_child
 
-ROOT = Path(__file__).resolve().parents[2]
-TTL = 1.5  # seconds: the short lease of the manager these tests start
+UNSHARE = ("unshare", "-Urpf")  # a new user + PID namespace
+# a bound for every test: the first one also starts the fork server and a manager (60 s ran out at load 20)
+pytestmark = pytest.mark.timeout(300)
+TTL = 1.5  # seconds: the short lease of the manager these tests start (the short_lease_manager fixture)
 
-_WRITER = textwrap.dedent("""
-    import json, os, sys, time
-    from rbpipe.grouping import SharedMCAdvantage
-    from rbpipe.grouping.manager import connect_manager
-    from tests.grouping.helpers import MINIMAL_KEYS, traj
-    args = json.loads(sys.argv[1])
-    manager = connect_manager(args["address"], bytes.fromhex(args["authkey"]))
-    t = SharedMCAdvantage(2, prompt_key="group_id", manager=manager, staging_dir=args["staging"],
-                          name=args["name"], required_keys=MINIMAL_KEYS)
-    claims = list(t.process(traj(0, 5, [1.0]))) + list(t.process(traj(1, 5, [0.0])))
-    assert len(claims) == 1, claims
-    if args["mode"] == "close":
-        t.close()
-    print(json.dumps({"pid": os.getpid(), "claim": claims[0].claim_id}), flush=True)
-    if args["mode"] != "exit":
-        time.sleep(600)
-""")
+# after the shared preamble (tests.grouping.helpers.WRITER_CHILD): complete one group, then hold it or leave
+_WRITER = """
+claims = list(t.process(traj(0, 5, [1.0]))) + list(t.process(traj(1, 5, [0.0])))
+assert len(claims) == 1, claims
+if args["mode"] == "close":
+    t.close()
+print(json.dumps({"pid": os.getpid(), "claim": claims[0].claim_id}), flush=True)
+if args["mode"] != "exit":
+    time.sleep(600)
+"""
 
 _STAGER = textwrap.dedent("""
     import json, os, sys, time
@@ -59,7 +54,7 @@ def _has_pid_namespaces() -> bool:
     if shutil.which("unshare") is None:
         return False
     try:
-        out = subprocess.run(["unshare", "-Urpf", "sh", "-c", "echo $$"], capture_output=True, text=True,
+        out = subprocess.run([*UNSHARE, "sh", "-c", "echo $$"], capture_output=True, text=True,
                              timeout=20)
     except (OSError, subprocess.SubprocessError):
         return False
@@ -67,11 +62,11 @@ def _has_pid_namespaces() -> bool:
 
 
 def _spawn(script: str, arg: str, namespace: bool = False) -> tuple[subprocess.Popen, dict]:
-    cmd = [sys.executable, "-c", script, arg]
-    if namespace:  # a new user + PID namespace: the writer is PID 1 there, a PID meaningless here
-        cmd = ["unshare", "-Urpf", *cmd]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return _started(child([*(UNSHARE if namespace else ()), sys.executable, "-c", script, arg]))
+
+
+def _started(proc: subprocess.Popen) -> tuple[subprocess.Popen, dict]:
+    """The child and the JSON line it prints once it is ready."""
     line = proc.stdout.readline()
     if not line:
         proc.wait(30)
@@ -93,10 +88,8 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 
 def _writer(manager, t: SharedMCAdvantage, mode: str, namespace: bool = False):
-    address, authkey = manager_address(manager)
-    args = dict(address=address, authkey=authkey.hex(), staging=str(t.staging.path), name=t.registry_name,
-                mode=mode)
-    return _spawn(_WRITER, json.dumps(args), namespace)
+    # in a new user + PID namespace the writer is PID 1, a PID meaningless here
+    return _started(writer_child(manager, t, _WRITER, prefix=UNSHARE if namespace else (), mode=mode))
 
 
 def _transform(manager, tmp_path, name: str = "leases") -> SharedMCAdvantage:
@@ -110,16 +103,6 @@ def _append_as(t: SharedMCAdvantage, owner, td) -> dict:
                 False)
 
 
-def _recover_within(t: SharedMCAdvantage, seconds: float) -> list:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        claims = t.recover()
-        if claims:
-            return claims
-        time.sleep(0.05)
-    return []
-
-
 def _write_once(t: SharedMCAdvantage, claims: list, claim_id: str) -> None:
     assert [c.claim_id for c in claims] == [claim_id] and claims[0].recovered
     t.confirm(claims[0])
@@ -129,17 +112,6 @@ def _write_once(t: SharedMCAdvantage, claims: list, claim_id: str) -> None:
     assert t.recover() == [] and t.recover(force=True) == []  # nobody gets it a second time
 
 
-@pytest.fixture
-def short_lease_manager(monkeypatch):
-    monkeypatch.setenv("RBPIPE_LEASE_TTL_S", str(TTL))
-    manager = start_manager()
-    try:
-        yield manager
-    finally:
-        manager.shutdown()
-
-
-@pytest.mark.timeout(60)
 def test_a_live_lease_keeps_its_claim_whatever_its_pid(tmp_path, grouping_manager):
     t = _transform(grouping_manager, tmp_path, "leases-live")
     other = _transform(grouping_manager, tmp_path, "leases-live")
@@ -157,7 +129,6 @@ def test_a_live_lease_keeps_its_claim_whatever_its_pid(tmp_path, grouping_manage
     other.confirm(claim)
 
 
-@pytest.mark.timeout(60)
 def test_an_unknown_owner_counts_as_dead(tmp_path, grouping_manager):
     t = _transform(grouping_manager, tmp_path, "leases-int")
     _append_as(t, os.getpid(), traj(0, 2, [1.0]))  # an int owner (no lease): as a writer that died
@@ -166,7 +137,6 @@ def test_an_unknown_owner_counts_as_dead(tmp_path, grouping_manager):
     t.confirm(claim)
 
 
-@pytest.mark.timeout(90)
 def test_a_sigkilled_writers_claim_is_recovered_once_its_lease_expires(tmp_path, short_lease_manager):
     t = _transform(short_lease_manager, tmp_path)
     proc = None
@@ -176,33 +146,31 @@ def test_a_sigkilled_writers_claim_is_recovered_once_its_lease_expires(tmp_path,
         assert t.recover() == []
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        killed = time.monotonic()
-        claims = _recover_within(t, 3 * TTL + 2)
-        assert claims and time.monotonic() - killed <= 3 * TTL + 2
-        _write_once(t, claims, info["claim"])
+        # handed on once the lease expires: no bound on how soon (that is the machine's speed), only a bound on
+        # the wait, far past the lease's time to live
+        _write_once(t, recover_within(t, 60), info["claim"])
     finally:
         _stop(proc)
 
 
-@pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["close", "exit"])
-def test_a_clean_leave_hands_its_claim_on_at_once(tmp_path, grouping_manager, mode):
-    t = _transform(grouping_manager, tmp_path, f"leases-{mode}")  # the default lease: 6 s
-    proc = None
-    try:
-        proc, info = _writer(grouping_manager, t, mode)
-        if mode == "exit":
-            assert proc.wait(30) == 0
-        left = time.monotonic()
-        claims = _recover_within(t, 2.0)  # well under the lease's time to live
-        assert claims and time.monotonic() - left < 2.0
-        assert [c.claim_id for c in claims] == [info["claim"]]
-        t.confirm(claims[0])
-    finally:
-        _stop(proc)
+def test_a_clean_leave_hands_its_claim_on_at_once(tmp_path, monkeypatch, mode):
+    # leases that outlive the test: the claim can only be handed on by the writer's leave, never by its expiry,
+    # whatever the machine's speed
+    with lease_manager(monkeypatch, 3600) as manager:
+        t = _transform(manager, tmp_path, f"leases-{mode}")
+        proc = None
+        try:
+            proc, info = _writer(manager, t, mode)
+            if mode == "exit":
+                assert proc.wait(30) == 0
+            claims = recover_within(t, 60)
+            assert [c.claim_id for c in claims] == [info["claim"]]
+            t.confirm(claims[0])
+        finally:
+            _stop(proc)
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.skipif(not _has_pid_namespaces() and not os.environ.get("CI"),
                     reason="needs unshare with user and PID namespaces (CI runs it)")
 def test_a_writer_that_is_pid_1_in_its_namespace_keeps_its_claim_and_loses_it_when_killed(
@@ -216,7 +184,7 @@ def test_a_writer_that_is_pid_1_in_its_namespace_keeps_its_claim_and_loses_it_wh
         assert t.recover() == []
         os.killpg(proc.pid, signal.SIGKILL)  # PID 1 here is alive: a PID check would never hand it on
         proc.wait(30)
-        _write_once(t, _recover_within(t, 3 * TTL + 2), info["claim"])
+        _write_once(t, recover_within(t, 60), info["claim"])
     finally:
         _stop(proc)
 
@@ -225,7 +193,6 @@ def _frees(path: Path) -> int:
     return len(list(path.glob(f"{Staging.FREE}*")))
 
 
-@pytest.mark.timeout(60)
 def test_sweep_keeps_a_live_owners_directory_whatever_pid_it_is_named_after(tmp_path):
     root = tmp_path / "staging"
     Staging(root)
@@ -252,7 +219,6 @@ def test_sweep_keeps_a_live_owners_directory_whatever_pid_it_is_named_after(tmp_
         _stop(proc)
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.skipif(not _has_pid_namespaces() and not os.environ.get("CI"),
                     reason="needs unshare with user and PID namespaces (CI runs it)")
 def test_sweep_keeps_the_directory_of_a_live_owner_in_another_pid_namespace(tmp_path):
@@ -265,7 +231,7 @@ def test_sweep_keeps_the_directory_of_a_live_owner_in_another_pid_namespace(tmp_
         assert _sweep(str(root)) == 0 and _frees(root / info["dir"]) == 2
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        deadline = time.monotonic() + 10  # the writer inside exits a moment after its unshare parent
+        deadline = time.monotonic() + 60  # the writer inside exits a moment after its unshare parent (a bound)
         while _frees(root / info["dir"]) and time.monotonic() < deadline:
             _sweep(str(root))
             time.sleep(0.05)
@@ -280,7 +246,6 @@ def _heartbeats() -> set:
     return {th for th in threading.enumerate() if th.name == "rbpipe-lease-heartbeat"}
 
 
-@pytest.mark.timeout(60)
 def test_a_transform_dropped_without_close_takes_its_heartbeat_and_lease_with_it(tmp_path, grouping_manager):
     import gc
 

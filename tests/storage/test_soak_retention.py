@@ -1,6 +1,9 @@
 """Soak: writer processes append with retention (one is SIGKILLed midway), a compactor runs, readers sample
 whole groups. Every group read is exact, no acknowledged group is lost, data on disk stays within the bound
-of docs/FORMAT.md ("Retention and disk"). Bounded to well under a minute of writing per backend."""
+of docs/FORMAT.md ("Retention and disk"). Every phase ends on a count or an event, never on a time: the writers
+write ``GROUPS_PER_WRITER`` groups each (the one killed stops itself in the middle of its group after
+``KILL_AFTER``, its data written and its commit line not, and is SIGKILLed there), and the readers stop once each
+has checked groups."""
 
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from rbpipe.storage.retention import data_bytes, disk_bound
 RAGGED = [("tokens",)]
 MAX_ROWS = 4 * 16
 WRITERS = 3
-WRITE_S = 5.0
+GROUPS_PER_WRITER = 40  # the writers that are not killed
+KILL_AFTER = 25  # committed groups of writer 0, then SIGKILL in the middle of its next one
 
 
 def _member(gid: int, i: int):
@@ -49,12 +53,25 @@ def _check_rows(td) -> list[int]:
     return gids[::4]
 
 
-def _writer(path: str, cls_name: str, wid: int, ack_path: str, seconds: float) -> None:
+def _writer(path: str, cls_name: str, wid: int, ack_path: str, groups: int, freeze: bool = False) -> None:
+    """Append ``groups`` groups, acknowledging each in ``ack_path`` once committed; with ``freeze``, stop this
+    process (SIGSTOP) in the next group's append, between its data and its commit line, for the test to kill."""
     import rbpipe.storage as st
+    from rbpipe.storage.ledger import Ledger
+
+    if freeze:
+        commit_group = Ledger.commit_group
+
+        def frozen(self, *args, **kwargs):
+            if k == groups:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return commit_group(self, *args, **kwargs)
+
+        Ledger.commit_group = frozen
     s = getattr(st, cls_name)(path, create=False, max_size=MAX_ROWS, ragged_keys=RAGGED)
     with open(ack_path, "a") as ack:
-        k, deadline = 0, time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        k = 0
+        while k < groups + freeze:
             gid = wid * 1_000_000 + k
             s.append_group(_group(gid))
             ack.write(f"{gid}\n")  # acknowledged: append_group returned
@@ -71,7 +88,7 @@ def _compactor(path: str, cls_name: str, stop) -> None:
         time.sleep(0.05)
 
 
-def _reader(path: str, out_path: str, stop) -> None:
+def _reader(path: str, out_path: str, stop, read_some) -> None:
     s = open_storage(path)
     sampler = FreshGroupSampler(num_groups=3, consume=False)
     checked = 0
@@ -82,6 +99,7 @@ def _reader(path: str, out_path: str, stop) -> None:
         index, _ = sampler.sample(s)
         td = s.get(index)  # after the sampler's hold: never a StaleReadError here
         checked += len(_check_rows(td))
+        read_some.set()
     with open(out_path, "w") as f:
         f.write(f"{checked}\n")
 
@@ -121,24 +139,29 @@ def test_soak_readers_writers_compactor_with_retention(tmp_path, cls):
     store = cls(path, max_size=MAX_ROWS, ragged_keys=RAGGED)
     store.append_group(_group(999_999_999))
     ctx = multiprocess.get_context("spawn")
-    stop = ctx.Event()
+    stop, read_some = ctx.Event(), ctx.Event()
     acks = [tmp_path / f"ack{w}" for w in range(WRITERS)]
-    procs = [ctx.Process(target=_writer, args=(str(path), cls.__name__, w, str(acks[w]), WRITE_S))
+    procs = [ctx.Process(target=_writer, args=(str(path), cls.__name__, w, str(acks[w]),
+                                               KILL_AFTER if w == 0 else GROUPS_PER_WRITER, w == 0))
              for w in range(WRITERS)]
     procs.append(ctx.Process(target=_compactor, args=(str(path), cls.__name__, stop)))
-    procs.append(ctx.Process(target=_reader, args=(str(path), str(tmp_path / "reader"), stop)))
+    procs.append(ctx.Process(target=_reader, args=(str(path), str(tmp_path / "reader"), stop, read_some)))
     sampler = FreshGroupSampler(num_groups=2, consume=False)
     checked, worst = 0, 0.0
     try:
         for p in procs:
             p.start()
         killed, start = False, time.monotonic()
-        while any(p.is_alive() for p in procs[:WRITERS]):
-            # (no wall-clock bound here: on a loaded machine starting the five processes alone took ~2 min;
-            # a writer that hangs is caught by the test's timeout)
-            if not killed and acks[0].exists() and acks[0].stat().st_size > 200:  # ~25 groups acknowledged
-                os.kill(procs[0].pid, signal.SIGKILL)  # a writer killed mid-run: its files must go too
-                killed = True
+        # until writer 0 was killed, the others wrote their groups and this process checked some: counts, not
+        # times (on a loaded machine starting the five processes alone took ~2 min; a writer that hangs is caught
+        # by the test's timeout)
+        while not killed or any(p.is_alive() for p in procs[1:WRITERS]) or checked <= 20:
+            if not killed:
+                done, status = os.waitpid(procs[0].pid, os.WNOHANG | os.WUNTRACED)
+                assert not done or os.WIFSTOPPED(status), f"writer 0 ended before its freeze point ({status})"
+                if done:  # stopped at its point: killed mid-write, its files must go too
+                    os.kill(procs[0].pid, signal.SIGKILL)
+                    killed = True
             if sampler.can_sample(store):
                 index, _ = sampler.sample(store)
                 checked += len(_check_rows(store.get(index)))
@@ -150,6 +173,7 @@ def test_soak_readers_writers_compactor_with_retention(tmp_path, cls):
             bound = max(before, disk_bound(store, writers=WRITERS + 1) + store.live_bytes)
             worst = max(worst, on_disk / bound)
             assert on_disk <= bound, _listing(path, store, on_disk, bound)
+        assert read_some.wait(300), "the reader process checked no group"
         stop.set()
         for p in procs:
             p.join(60)
@@ -176,7 +200,10 @@ def test_soak_readers_writers_compactor_with_retention(tmp_path, cls):
             assert gid in live or committed[gid] <= evicted, f"acknowledged group {gid} vanished"
     assert sorted(committed[g] for g in live) == [s for s in sorted(committed.values()) if s > evicted]
 
-    final.append_group(_group(999_999_998))  # one more eviction sweeps what the last writers left
+    # groups enough to evict every earlier one (whichever writer finished last): the sweep must then leave
+    # nothing of the killed writer
+    for gid in range(MAX_ROWS // 4):
+        final.append_group(_group(999_000_000 + gid))
     final.compact()
     final.append_group(_group(999_999_997))
     assert data_bytes(path) <= disk_bound(final, writers=1), (data_bytes(path), disk_bound(final, writers=1))

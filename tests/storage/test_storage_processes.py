@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import multiprocess
 import pytest
 from helpers_storage import llm_group
 
 from rbpipe.storage import ArrowStorage, ZarrStorage, inspect_store, open_storage
-from rbpipe.trajectory import RAGGED_KEYS
+from tests.process_helpers import wait_stopped
 
 
 def _writer(storage, wid, n_groups):
@@ -23,15 +22,26 @@ def _writer(storage, wid, n_groups):
     storage.close()
 
 
-def _forever(path, cls_name, ready):
+def _write_until_frozen(path, cls_name, freeze_at):
+    """Commit ``freeze_at`` whole groups, then write the next group's data and stop this process (SIGSTOP to
+    itself) before that group's commit: the test SIGKILLs it there, the point under test, never at a time."""
     import torch
     from tensordict import TensorDict, lazy_stack
 
     import rbpipe.storage as st
     from rbpipe.trajectory import RAGGED_KEYS as RK
+    from rbpipe.storage.ledger import Ledger
+
+    commit_group = Ledger.commit_group
+
+    def frozen_commit(self, *args, **kwargs):
+        if k == freeze_at:  # the group's data is on disk; its commit line is not
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return commit_group(self, *args, **kwargs)
+
+    Ledger.commit_group = frozen_commit
     s = getattr(st, cls_name)(path, ragged_keys=RK)
-    k = 0
-    while True:
+    for k in range(freeze_at + 1):
         rows = [TensorDict({"group_id": torch.tensor(k), "tokens": {"prompt": torch.zeros(3, dtype=torch.int64),
                             "response": torch.ones(200 + i, dtype=torch.int64)},
                             "log_probs": {"rollout": torch.zeros(200 + i)},
@@ -39,12 +49,10 @@ def _forever(path, cls_name, ready):
                             "collector_id": torch.tensor(1), "policy_version": torch.tensor(k),
                             "advantage": torch.zeros(1)}, batch_size=[]) for i in range(4)]
         s.append_group(lazy_stack(rows, 0))
-        k += 1
-        if k == 3:
-            ready.set()
+    raise AssertionError("the writer was not killed at its freeze point")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("cls", [ArrowStorage, ZarrStorage])
 def test_concurrent_writer_processes_lose_nothing(tmp_path, cls):
     store = cls(tmp_path / "s", ragged_keys=RAGGED_KEYS)
@@ -55,7 +63,7 @@ def test_concurrent_writer_processes_lose_nothing(tmp_path, cls):
         p.start()
     try:
         for p in procs:
-            p.join(100)
+            p.join()  # bounded by the test's timeout: a spawned child's start alone took ~100 s at load 18
             assert p.exitcode == 0
     finally:
         for p in procs:
@@ -69,23 +77,22 @@ def test_concurrent_writer_processes_lose_nothing(tmp_path, cls):
     assert sorted(set(gids)) == sorted([999] + [w * 1000 + k for w in range(2) for k in range(15)])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("cls_name", ["ArrowStorage", "ZarrStorage"])
 def test_sigkill_during_writes_leaves_only_whole_groups(tmp_path, cls_name):
     ctx = multiprocess.get_context("spawn")
-    ready = ctx.Event()
-    p = ctx.Process(target=_forever, args=(str(tmp_path / "s"), cls_name, ready))
+    p = ctx.Process(target=_write_until_frozen, args=(str(tmp_path / "s"), cls_name, 3))
     p.start()
     try:
-        assert ready.wait(60)
-        time.sleep(0.3)
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
+        assert wait_stopped(p.pid, 240), "the writer did not reach its freeze point"
+        os.kill(p.pid, signal.SIGKILL)  # its 4th group's data written, its commit line not
+        p.join(30)
     finally:
         if p.is_alive():
             p.kill()
+            p.join(30)
     s = open_storage(tmp_path / "s", ragged_layout="rows")
-    assert len(s) >= 12 and len(s) % 4 == 0
+    assert len(s) == 12  # the 3 committed groups, not the one killed before its commit
     td = s.get(slice(None))
     for _, a, b in s.group_spans().tolist():
         assert b - a == 4
@@ -97,5 +104,5 @@ def test_sigkill_during_writes_leaves_only_whole_groups(tmp_path, cls_name):
     s.append_group(td[0:4])  # the store stays writable after the crash
     assert len(open_storage(tmp_path / "s")) == len(s)
     if cls_name == "ArrowStorage":  # the dead writer's segment is reported, never served
-        tail = s.check_tail()
-        assert all(t["uncommitted_bytes"] > 0 for t in tail["dead_segments_with_uncommitted_bytes"])
+        (dead,) = s.check_tail()["dead_segments_with_uncommitted_bytes"]
+        assert dead["uncommitted_bytes"] > 0

@@ -24,6 +24,7 @@ from rbpipe.memory import PeakMemory
 from rbpipe.procs import run_worker, settle_heap
 from rbpipe.rollout import Rollouts
 from rbpipe.schema import FINISH_REASON_KEY
+from rbpipe.staleness import units_per_ask
 
 #: How long one ask waits for prompts to open while the rate limit holds them back (the service answers as soon
 #: as the learner moves the band; the collector checks for a stop request in between).
@@ -58,7 +59,7 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
         while not client.stop_requested():
             # a learner step's worth of prompts at once (one unit of each): generated in one batch and handed
             # over in one call, so a step's groups are ready one generation + one hand-over after the band moves
-            units = client.take_many(cfg.groups_per_step, wait_s=TAKE_WAIT_S)
+            units = client.take_many(units_per_ask(cfg), wait_s=TAKE_WAIT_S)
             if not units:
                 continue
             if client.weights_version != version:

@@ -24,6 +24,7 @@ from rbpipe.endpoint import AUTHKEY, ENDPOINT, REGISTRY_NAME, new_authkey, write
 from rbpipe.errors import ManagerDiedError
 from rbpipe.grouping.manager import open_coordinator
 from rbpipe.rate_limit import RATE_LIMIT_FILE, RateLimiter
+from rbpipe.staleness import unit_size
 from rbpipe.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
     """How the coordinator shares prompts out: units of one collector's share (``rbpipe run``'s split),
     within the run's rate-limit band."""
-    return {"samples_per_prompt": cfg.samples_per_prompt, "unit_size": cfg.share_of(0),
+    return {"samples_per_prompt": cfg.samples_per_prompt, "unit_size": unit_size(cfg),
             "limiter": RateLimiter.settings_for_run(cfg), "state_dir": str(run_dir),
             "expect_collectors": expect_collectors}
 

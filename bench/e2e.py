@@ -126,6 +126,7 @@ def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
         summary = launch(cfg, run_dir=Path(tmp) / "run", progress=False, log=lambda *a: None)
         wall, cpu = time.time() - t0, tree_cpu_s() - cpu0
         metrics = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        mixed = mixed_version_groups(summary["store"])
     last = metrics[-1] if metrics else {"time_s": float("nan"), "step": 0}
     timing = summary["timing"]
     out = run_figures(wall, cpu, last["step"], bool(summary["reached_target"]),
@@ -135,8 +136,24 @@ def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
                 "learner_wait": (timing["learner_data_wait_s"] or 0.0) / last["time_s"] if metrics else None,
                 "policy_lag_max": max((m["learner/policy_lag_max"] for m in metrics), default=None),
                 "stale_groups": metrics[-1]["stale_groups"] if metrics else 0,
-                "groups_dropped": summary["groups_dropped"], "conservation_ok": summary["conservation_ok"]})
+                "groups_dropped": summary["groups_dropped"], "conservation_ok": summary["conservation_ok"],
+                "mixed_version_groups": mixed})
     return out
+
+
+def mixed_version_groups(store: str) -> float:
+    """The fraction of the stored groups whose members were sampled by more than one policy version (what
+    ``--one-version-per-group`` removes)."""
+    from rbpipe.schema import VERSION_KEY
+    from rbpipe.storage import open_storage
+
+    storage = open_storage(store)
+    spans = storage.group_spans()
+    if not spans.shape[0]:
+        return 0.0
+    versions = storage.read_column(VERSION_KEY).reshape(-1)
+    mixed = sum(int(versions[a:b].min() != versions[a:b].max()) for _, a, b in spans.tolist())
+    return round(mixed / spans.shape[0], 4)
 
 
 def paired_summary(base: list[dict], ours: list[dict]) -> dict:

@@ -68,3 +68,25 @@ def test_cv_of_one_seed_is_unknown_and_median_skips_unknowns():
     assert coefficient_of_variation([250]) is None
     assert median_or_none([None, float("nan")]) is None
     assert median_or_none([0.3, None, 0.1]) == pytest.approx(0.2)
+
+
+def test_e2e_bench_prints_the_issue_36_fields_from_paired_runs():
+    """``bench/e2e.py --json``'s paired figures, spelled as issue 36 names them, from runs made up here."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        from e2e import paired_summary
+    finally:
+        sys.path.pop(0)
+    base = [{"seconds": s, "steps": n, "cpu_s": 2 * s} for s, n in ((10.0, 200), (8.0, 180), (12.0, 240))]
+    ours = [{"seconds": s, "steps": n, "cpu_s": 3 * s, "learner_wait": w, "policy_lag": 1.1, "ess": 0.98}
+            for s, n, w in ((8.0, 210, 0.05), (8.0, 170, None), (6.0, 250, 0.07))]
+    out = paired_summary(base, ours)
+    assert out["ratios"] == [0.8, 1.0, 0.5]  # seed i against seed i, not median against median
+    assert out["ratio_wall_median"] == 0.8 and out["ratio_cpu_median"] == pytest.approx(1.2)
+    low, high = out["ratio_wall_ci90"]
+    assert 0.5 <= low <= 0.8 <= high <= 1.0
+    assert out["steps_cv"] == pytest.approx(statistics.stdev([210, 170, 250]) / 210)
+    assert out["learner_wait"] == pytest.approx(0.06) and out["policy_lag"] == 1.1 and out["ess"] == 0.98

@@ -211,6 +211,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--target", type=float)
     parser.add_argument("--seeds", type=int, help="seeds per side (default 3; 1 with --quick)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the seeds are FIRST, FIRST+1, ... (default 0)")
     parser.add_argument("--max-steps", type=int, default=RunConfig.steps)
     parser.add_argument("--loss", choices=["grpo", "dapo", "cispo"], help="the objective, both sides")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -226,7 +227,7 @@ def main() -> None:
                   args.max_steps, as_json=args.json, make=make)
         return
     target = args.target or (0.5 if args.quick else 0.9)
-    seeds = range(args.seeds or (1 if args.quick else 3))
+    seeds = range(args.first_seed, args.first_seed + (args.seeds or (1 if args.quick else 3)))
     base, ours = [], []
     import_pipeline()
     for seed in seeds:  # interleaved, so that a slow spell of the machine hits both sides

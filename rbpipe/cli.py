@@ -140,7 +140,7 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
                    help="rate limiter: fresh groups the learner waits for before a step (default: groups-per-step)")
     g.add_argument("--one-version-per-group", action=argparse.BooleanOptionalAction,
                    default=False,
-                   help="one collector generates a prompt's whole group with one weights version (default: off, a "
+                   help="one collector generates a prompt's whole group with one weights version (off: a "
                         "prompt's samples are split among the collectors)")
     g.add_argument("--sample-order", choices=["oldest", "freshest"], default="oldest",
                    help="which complete groups the learner trains first: in commit order, or those of the newest "

@@ -50,6 +50,10 @@ class RunConfig:
     max_lead_groups: int | None = None  # collectors' lead over the learner; default two steps' groups (lag ~1)
     samples_per_insert: float = 1.0  # rate limiter (rbpipe.rate_limit): groups resolved per group inserted
     min_groups_to_sample: int | None = None  # rate limiter's minimum size to sample; default groups_per_step
+    # learning under staleness (issue 36, rbpipe.sampling.staleness): whole-group work units (one policy version per group),
+    # and the order the learner takes complete groups in
+    one_version_per_group: bool = False
+    sample_order: str = "oldest"  # "oldest" (commit order) | "freshest" (newest policy version first)
     checkpoint_every: int = 10  # learner steps between checkpoints (a resumed or restarted learner starts there)
     target_reward: float | None = 0.9  # stop once the last 10 steps average at least this (None: run all steps)
     loss: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_LOSS))  # LossConfig keyword arguments
@@ -96,6 +100,9 @@ class RunConfig:
             raise ConfigError(f"--max-policy-lag must be >= 0 (0: train only on groups of the current policy), "
                               f"got {self.max_policy_lag}")
         self.check_rate_limit()
+        from rbpipe.sampling.staleness import check_sample_order
+
+        check_sample_order(self.sample_order)
         from rbpipe.tracking.metrics_log import check_logger
 
         check_logger(self.logger)

@@ -20,6 +20,7 @@ import torch
 from rbpipe.errors import BadTrajectoryError
 from rbpipe.model.limits import max_positions
 from rbpipe.model.rollout import Rollouts
+from rbpipe.sampling.staleness import units_per_ask
 from rbpipe.service.clients import CollectorClient
 from rbpipe.system.procs import run_worker, settle_heap
 from rbpipe.tracking.memory import PeakMemory
@@ -58,7 +59,7 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
         while not client.stop_requested():
             # a learner step's worth of prompts at once (one unit of each): generated in one batch and handed
             # over in one call, so a step's groups are ready one generation + one hand-over after the band moves
-            units = client.take_many(cfg.groups_per_step, wait_s=TAKE_WAIT_S)
+            units = client.take_many(units_per_ask(cfg), wait_s=TAKE_WAIT_S)
             if not units:
                 continue
             if client.weights_version != version:

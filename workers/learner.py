@@ -82,7 +82,8 @@ def _train(client: LearnerClient) -> None:
     recompute_old = probe.needs_old_for_mask  # else lp_old = lp.detach(): identical with one update per batch
     loss_module = make_loss(actor, loss_cfg, ref_actor=ref_actor, old_from_current=not recompute_old)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    sampler = FreshGroupSampler(num_groups=cfg.groups_per_step, max_staleness=cfg.max_policy_lag)
+    sampler = FreshGroupSampler(num_groups=cfg.groups_per_step, max_staleness=cfg.max_policy_lag,
+                                order=cfg.sample_order)
     # read-only: the learner never writes through this buffer (and torchrl's default writer would hold a
     # multiprocessing.Value, a named semaphore that leaks in /dev/shm when a Ray actor is killed)
     buffer = ReplayBuffer(storage=storage, sampler=sampler, writer=ImmutableDatasetWriter(),

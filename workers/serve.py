@@ -19,6 +19,7 @@ from rbpipe.config import RunConfig
 from rbpipe.errors import ManagerDiedError
 from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import AUTHKEY, ENDPOINT, METRICS, RATE_LIMIT, STAGING
+from rbpipe.sampling.staleness import unit_size
 from rbpipe.service.endpoint import REGISTRY_NAME, new_authkey, write_endpoint
 from rbpipe.service.engine import open_engine
 from rbpipe.service.host import open_coordinator
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 def coordinator_settings(cfg: RunConfig, run_dir: Path, expect_collectors: int = 1) -> dict[str, Any]:
     """How the coordinator shares prompts out: units of one collector's share (``rbpipe run``'s split),
     within the run's rate-limit band."""
-    return {"samples_per_prompt": cfg.samples_per_prompt, "unit_size": cfg.share_of(0),
+    return {"samples_per_prompt": cfg.samples_per_prompt, "unit_size": unit_size(cfg),
             "limiter": RateLimiter.settings_for_run(cfg), "state_dir": str(run_dir),
             "expect_collectors": expect_collectors}
 

@@ -138,6 +138,13 @@ def _add_run(sub, command: str = "run") -> argparse.ArgumentParser:
                         "below 1 collectors may out-produce the learner (the surplus turns stale)")
     g.add_argument("--min-groups-to-sample", type=int,
                    help="rate limiter: fresh groups the learner waits for before a step (default: groups-per-step)")
+    g.add_argument("--one-version-per-group", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="one collector generates a prompt's whole group with one weights version (off: a "
+                        "prompt's samples are split among the collectors)")
+    g.add_argument("--sample-order", choices=["oldest", "freshest"], default="oldest",
+                   help="which complete groups the learner trains first: in commit order, or those of the newest "
+                        "policy version (the rest turn stale past --max-policy-lag, counted)")
     g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
     g.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
                    help="learner steps between checkpoints (RUN_DIR/checkpoint.pt): where --resume and a learner "
@@ -403,6 +410,7 @@ def run_config(args, given: set[str]):
         max_new_tokens=args.max_new_tokens, max_policy_lag=args.max_policy_lag,
         max_lead_groups=args.max_lead_groups, samples_per_insert=args.samples_per_insert,
         min_groups_to_sample=args.min_groups_to_sample,
+        one_version_per_group=args.one_version_per_group, sample_order=args.sample_order,
         micro_batches=args.micro_batches, checkpoint_every=args.checkpoint_every, seed=args.seed, loss=loss,
         logger=args.logger,
         prompts=args.prompts, prompt_key=args.prompt_key, reward=args.reward, chat_template=not args.no_chat_template,

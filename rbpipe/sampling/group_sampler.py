@@ -18,6 +18,7 @@ from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from rbpipe.errors import StaleReadError
+from rbpipe.sampling.staleness import check_sample_order, freshest_first
 from rbpipe.storage.protocol import is_group_store
 from rbpipe.trajectory import VERSION_KEY
 
@@ -25,7 +26,7 @@ REDRAWS = 8  # draws tried when the drawn groups keep being evicted before they 
 
 
 class FreshGroupSampler(Sampler):
-    """Draw ``num_groups`` whole, unconsumed, fresh groups (oldest first).
+    """Draw ``num_groups`` whole, unconsumed, fresh groups (oldest first, or freshest first).
 
     Keyword Args:
         num_groups: groups per batch; ``batch_size`` passed to ``sample`` is ignored in favour of whole groups.
@@ -34,16 +35,20 @@ class FreshGroupSampler(Sampler):
             ``< consumer_version - max_staleness`` is skipped for good and counted in ``stale_groups``.
             ``None`` disables the limit.
         version_key: column holding each trajectory's policy version.
+        order: ``"oldest"`` (commit order) or ``"freshest"`` (the newest oldest-member policy version first,
+            commit order among equals; :func:`rbpipe.sampling.staleness.freshest_first`), when consuming.
     """
 
     def __init__(self, *, num_groups: int, consume: bool = True, max_staleness: int | None = None,
-                 version_key=VERSION_KEY) -> None:
+                 version_key=VERSION_KEY, order: str = "oldest") -> None:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.num_groups = int(num_groups)
         self.consume = consume
         self.max_staleness = max_staleness
         self.version_key = version_key
+        check_sample_order(order)
+        self.order = order
         self.consumer_version = 0
         self._watermark = 0  # every group whose commit sequence number is below this is consumed or retired
         self._done: set[int] = set()  # sequence numbers consumed/retired past the watermark
@@ -164,6 +169,8 @@ class FreshGroupSampler(Sampler):
                 f"only {fresh.shape[0]} fresh group(s) available, {self.num_groups} needed; "
                 "check can_sample() first or wait for the collectors"
             )
+        if self.consume and self.order == "freshest":
+            return fresh[freshest_first(self._oldest_versions(storage, fresh))[: self.num_groups]], live
         if self.consume:
             return fresh[: self.num_groups], live
         return fresh[torch.randperm(fresh.shape[0], generator=self._rng)[: self.num_groups]], live

@@ -10,13 +10,13 @@ Per seed, both sides in turn; prints medians and ``ratio_wall`` = median rbpipe 
 (goal <= 0.8: the pipeline overlaps generation with training) and ``learner_busy`` (the pipeline learner's
 mean busy fraction, median over seeds). ``--quick``: one seed, target 0.5.
 
-Judged over paired seeds (issue 36; ``rbpipe.tracking.seed_stats``): ``ratios`` (seed i's rbpipe time / seed i's one-process
-time), ``ratio_wall_median`` and ``ratio_wall_ci90`` (bootstrap over seeds, fixed bootstrap seed), ``steps_cv``
-(rbpipe's coefficient of variation of steps to target) and ``learner_wait`` (rbpipe learner's wait for data over
-its wall time, median over seeds). Per run: steps to target, ``step_s`` (per-step cost), ``cpu_s`` (CPU-seconds
-to target of every process of that side), ``policy_lag`` and ``ess`` (the importance weights' normalised effective
-sample size, mean over steps). ``--set KEY=VALUE`` changes a ``RunConfig`` field on both sides (``--loss NAME``
-the objective), to compare options under the same seeds.
+Judged over paired seeds (issue 36; ``rbpipe.tracking.seed_stats``): ``ratios`` (seed i's rbpipe time / seed
+i's one-process time), ``ratio_wall_median`` and ``ratio_wall_ci90`` (bootstrap over seeds, fixed bootstrap seed),
+``steps_cv`` (rbpipe's coefficient of variation of steps to target) and ``learner_wait`` (rbpipe
+learner's wait for data over its wall time, median over seeds). Per run: steps to target, ``step_s`` (per-step
+cost), ``cpu_s`` (CPU-seconds to target of every process of that side), ``policy_lag`` and ``ess``
+(the importance weights' normalised effective sample size, mean over steps). ``--set KEY=VALUE`` changes a
+``RunConfig`` field on both sides (``--loss NAME`` the objective), to compare options under the same seeds.
 
 ``--lag-sweep 0,1,2``: the one-process loop alone, fed groups sampled by the policy of K steps before: the steps
 that policy lag costs with nothing else changed (what ``--max-lead-groups``'s default is chosen from).
@@ -44,8 +44,8 @@ from rbpipe.demo.policy import build_learner_actor, build_model, sample_batch
 from rbpipe.demo.task import CopyFirstDigitTask
 from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
 from rbpipe.system.procs import settle_heap
-from rbpipe.trajectory import GROUP_KEY, REWARD_KEY, make_trajectory
 from rbpipe.tracking.seed_stats import bootstrap_median_ci, coefficient_of_variation, median_or_none, paired_ratios
+from rbpipe.trajectory import GROUP_KEY, REWARD_KEY, make_trajectory
 
 
 def tree_cpu_s() -> float:
@@ -144,8 +144,8 @@ def pipeline(cfg: RunConfig, target: float, max_steps: int) -> dict:
 def mixed_version_groups(store: str) -> float:
     """The fraction of the stored groups whose members were sampled by more than one policy version (what
     ``--one-version-per-group`` removes)."""
-    from rbpipe.trajectory import VERSION_KEY
     from rbpipe.storage import open_storage
+    from rbpipe.trajectory import VERSION_KEY
 
     storage = open_storage(store)
     spans = storage.group_spans()

@@ -7,8 +7,8 @@ chunks of ``--chunk`` steps (the collector's ``dialog_turns_per_batch``); every 
 writer. Writers are processes started with spawn (rbpipe) or Ray tasks (torchrl's buffer, as the recipe's
 collectors are Ray actors). The clock runs from the first writer's start to the last one's end, after each
 writer's untimed warm-up chunk. Speed is printed, never asserted. Ray is kept on loopback
-(``rbpipe.service.ray.session.use_loopback``); without Ray installed the baseline is torchrl's in-process ``ReplayBuffer``
-with the same storage and transform (one writer: the caller).
+(``rbpipe.service.ray.session.use_loopback``); without Ray installed the baseline is torchrl's in-process
+``ReplayBuffer`` with the same storage and transform (one writer: the caller).
 
   python bench/torchrl_buffer.py [--quick] [--json] [--writers 1 2 4]
 """

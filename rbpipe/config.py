@@ -50,8 +50,8 @@ class RunConfig:
     max_lead_groups: int | None = None  # collectors' lead over the learner; default two steps' groups (lag ~1)
     samples_per_insert: float = 1.0  # rate limiter (rbpipe.rate_limit): groups resolved per group inserted
     min_groups_to_sample: int | None = None  # rate limiter's minimum size to sample; default groups_per_step
-    # learning under staleness (issue 36, rbpipe.sampling.staleness): whole-group work units (one policy version per group),
-    # and the order the learner takes complete groups in
+    # learning under staleness (issue 36, rbpipe.sampling.staleness): whole-group work units (one policy version
+    # per group), and the order the learner takes complete groups in
     one_version_per_group: bool = False
     sample_order: str = "oldest"  # "oldest" (commit order) | "freshest" (newest policy version first)
     checkpoint_every: int = 10  # learner steps between checkpoints (a resumed or restarted learner starts there)

@@ -1,5 +1,5 @@
-"""Issue 36's options (``rbpipe.sampling.staleness``): one policy version per group; freshest complete groups first, with the
-groups left behind past the lag limit retired and counted (every group trained once, retired, or still queued)."""
+"""Issue 36's options (``rbpipe.sampling.staleness``): one policy version per group; freshest complete groups first,
+with the groups left behind past the lag limit retired and counted (every group trained once, retired, or still queued)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rbpipe.config import RunConfig
-from rbpipe.service.coordinator import Coordinator
 from rbpipe.errors import ConfigError
 from rbpipe.grouping.leases import LEASES
 from rbpipe.rate_limit import RateLimiter
 from rbpipe.sampling import FreshGroupSampler
-from rbpipe.trajectory import COLLECTOR_KEY, GROUP_KEY, RAGGED_KEYS, VERSION_KEY, make_trajectory
 from rbpipe.sampling.staleness import freshest_first, unit_size, units_per_ask
+from rbpipe.service.coordinator import Coordinator
 from rbpipe.storage import ArrowStorage
+from rbpipe.trajectory import COLLECTOR_KEY, GROUP_KEY, RAGGED_KEYS, VERSION_KEY, make_trajectory
 
 
 def group(gid: int, size: int, version: int):

@@ -10,6 +10,7 @@ import pytest
 from helpers_storage import llm_group
 
 from rbpipe.storage import ArrowStorage, ZarrStorage, inspect_store, open_storage
+from rbpipe.trajectory import RAGGED_KEYS
 from tests.process_helpers import wait_stopped
 
 
@@ -29,8 +30,8 @@ def _write_until_frozen(path, cls_name, freeze_at):
     from tensordict import TensorDict, lazy_stack
 
     import rbpipe.storage as st
-    from rbpipe.trajectory import RAGGED_KEYS as RK
     from rbpipe.storage.ledger import Ledger
+    from rbpipe.trajectory import RAGGED_KEYS as RK
 
     commit_group = Ledger.commit_group
 

@@ -235,4 +235,6 @@ def test_every_page_asset_is_package_data():
     assets = [p.relative_to(package).as_posix() for p in (package / "static").iterdir()]
     assert {"static/page.html", "static/view.js", "static/view.css"} <= set(assets)
     assert [a for a in assets if not any(fnmatch(a, p) for p in patterns)] == []
-    assert "rbpipe.view" in conf["packages"]
+    from setuptools.discovery import PackageFinder  # pyproject.toml's package discovery finds the viewer
+
+    assert "rbpipe.view" in PackageFinder.find(str(root), include=conf["packages"]["find"]["include"])

@@ -1,5 +1,6 @@
 """Issue 36's options (``rbpipe.sampling.staleness``): one policy version per group; freshest complete groups first,
-with the groups left behind past the lag limit retired and counted (every group trained once, retired, or still queued)."""
+with the groups left behind past the lag limit retired and counted (every group trained once, retired, or still
+queued)."""
 
 from __future__ import annotations
 

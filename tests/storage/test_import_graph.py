@@ -88,7 +88,7 @@ LAYERS = (
     ("sampling", "buffer", "demo", "view"),  # what is built on them: the sampler, the buffer, the demo, the viewer
     ("config",),  # every knob of a run
     ("service",),  # the shared state of a run (both engines)
-    ("workers",),  # the processes
+    ("workers", "torchrl_compat"),  # the processes; the torchrl drop-in buffer (a service client of its own)
     ("cli",),  # the commands
 )
 

@@ -3,10 +3,13 @@ a child that stops itself (SIGSTOP) at the exact point a test fires its fault, a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 
 def run_cli(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
@@ -23,6 +26,15 @@ def run_cli(args: list[str], timeout: float, env: dict | None = None) -> tuple[i
             pass
         proc.wait()
     return proc.returncode, out, err
+
+
+def run_to_summary(run_dir: Path, *flags: str, timeout: float = 280) -> dict:
+    """``rbpipe run --no-progress --run-dir RUN_DIR FLAGS...`` to its end; fails the test with the run's output
+    unless it exits 0. Returns its ``summary.json``."""
+    code, out, err = run_cli([sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--run-dir", str(run_dir),
+                              *flags], timeout=timeout)
+    assert code == 0, out[-3000:] + err[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def wait_stopped(pid: int, timeout: float) -> bool:

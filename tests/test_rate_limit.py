@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,6 +13,7 @@ from hypothesis import strategies as st
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError
 from rbpipe.rate_limit import RateLimiter
+from tests.process_helpers import run_to_summary
 
 
 @pytest.fixture
@@ -150,12 +149,9 @@ def test_a_spawned_writer_and_this_sampler_share_one_limiter(limiter_path):
 @pytest.mark.timeout(300)
 def test_a_tiny_run_completes_within_the_band_and_logs_the_waits(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--run-dir", str(run_dir),
-                          "--steps", "3", "--collectors", "1", "--groups-per-step", "2", "--grpo-size", "4",
-                          "--max-lead-groups", "2", "--min-groups-to-sample", "2"],
-                         capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["learner_steps"] == 3
+    summary = run_to_summary(run_dir, "--steps", "3", "--collectors", "1", "--groups-per-step", "2", "--grpo-size", "4",
+                             "--max-lead-groups", "2", "--min-groups-to-sample", "2")
+    assert summary["learner_steps"] == 3
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resolved_before = 0
     for r in records:

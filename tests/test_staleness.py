@@ -5,8 +5,6 @@ queued)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -23,6 +21,7 @@ from rbpipe.sampling.staleness import freshest_first, unit_size, units_per_ask
 from rbpipe.service.coordinator import Coordinator
 from rbpipe.storage import ArrowStorage
 from rbpipe.trajectory import COLLECTOR_KEY, GROUP_KEY, RAGGED_KEYS, VERSION_KEY, make_trajectory
+from tests.process_helpers import run_to_summary
 
 
 def group(gid: int, size: int, version: int):
@@ -105,12 +104,8 @@ def test_whole_group_units_give_each_prompt_to_one_collector():
 @pytest.mark.timeout(300)
 def test_a_run_with_the_options_on_stores_groups_of_one_version_and_conserves(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "rbpipe.cli", "run", "--no-progress", "--run-dir", str(run_dir),
-                          "--steps", "6", "--grpo-size", "4", "--groups-per-step", "2", "--collectors", "2",
-                          "--one-version-per-group", "--sample-order", "freshest", "--max-policy-lag", "1"],
-                         capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_to_summary(run_dir, "--steps", "6", "--grpo-size", "4", "--groups-per-step", "2", "--collectors",
+                             "2", "--one-version-per-group", "--sample-order", "freshest", "--max-policy-lag", "1")
     assert summary["conservation_ok"] is True and summary["learner_steps"] == 6
     from rbpipe.storage import open_storage
 

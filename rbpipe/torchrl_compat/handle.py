@@ -48,6 +48,7 @@ class TorchRLReplayBuffer:
         self._manager = manager
         self._buffer = open_buffer(spec, manager)
         self._write_count_base = 0
+        self._iterator: Iterator[TensorDictBase] | None = None  # next()'s batches, made on its first call
         if self._owner:
             self._buffer.requeue_staged()  # what a previous session of this store left queued goes on
             self._finalizer = weakref.finalize(self, _shut_down, self._buffer, manager)  # runs at exit too
@@ -109,13 +110,12 @@ class TorchRLReplayBuffer:
 
     def next(self) -> TensorDictBase | None:
         """One batch of :meth:`__iter__`, or None once the sampler ran out (torchrl's ``next``)."""
-        iterator = self.__dict__.get("_iterator")
-        if iterator is None:
-            iterator = self.__dict__["_iterator"] = iter(self)
+        if self._iterator is None:
+            self._iterator = iter(self)
         try:
-            return next(iterator)
+            return next(self._iterator)
         except StopIteration:
-            self.__dict__["_iterator"] = None
+            self._iterator = None
             return None
 
     # -- counters and state -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ runs (subprocesses in their own session, killed whatever happens) check what lan
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -16,8 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from text_model import EOS_ID, chat_model, chat_tokenizer, save_chat_model
 
+from rbpipe.demo.arithmetic import AdditionTask, SingleDigitAdditionTask
 from rbpipe.errors import ConfigError
 from rbpipe.model.generation import LENGTH, STOP, Sampling, generate
 from tests.process_helpers import assert_run_refuses, run_cli
@@ -342,3 +346,21 @@ def test_prompts_from_a_data_file_reward_with_the_rows_other_columns(tmp_path):
     assert len({round(r["next_reward"] % 1, 2) for r in rows}) > 1  # bonuses of several rows
     # a Parquet file with the same rows reads the same prompts
     assert DataFileTask(data, "q", f"{reward_path}:score").rows[0]["bonus"] == rows_in[0]["bonus"]
+
+
+_WORDS = st.text(alphabet="abcdefghij =+,?!\n", max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(index=st.integers(0, 10_000), seed=st.integers(0, 100), before=_WORDS, after=st.sampled_from(["", ".", " !"]))
+def test_the_single_digit_task_pays_exactly_for_a_right_final_number(index, seed, before, after):
+    """The README's real-model task: one-digit prompts; 1.0 iff the response's last number is the sum (what the
+    model says before it, in words, does not matter), so a right sum followed by another number earns nothing."""
+    task = SingleDigitAdditionTask(seed=seed)
+    prompt = task.prompt(index)
+    a, b = (int(x) for x in re.findall(r"\d+", prompt))
+    assert 1 <= a <= 9 and 1 <= b <= 9 and prompt == AdditionTask(seed=seed, digits=1).prompt(index)
+    assert task.reward(prompt, f"{before}{a + b}{after}") == 1.0
+    assert task.reward(prompt, f"{before}{a + b + 1}{after}") == 0.0
+    assert task.reward(prompt, f"{a + b} = {a} + {b}") == 0.0
+    assert task.reward("no question here", f"{a + b}") == 0.0

@@ -75,3 +75,47 @@ class AdditionTask:
         if found is None:
             return 0.0
         return score_answer(response, int(found.group(1)) + int(found.group(2)))
+
+
+def final_number(response: str) -> str | None:
+    """The last integer in ``response`` (commas inside numbers ignored), as graders of GSM8K-style tasks extract
+    a final answer; ``None`` when there is none.
+
+    Examples:
+        >>> final_number("7 + 5 = 12."), final_number("It is 1,204"), final_number("twelve")
+        ('12', '1204', None)
+    """
+    numbers = _NUMBER.findall(response.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+@dataclass(frozen=True)
+class SingleDigitAdditionTask:
+    """``prompt(i)``: :class:`AdditionTask`'s one-digit prompt (``"What is 7 + 5? Reply with the number only."``);
+    ``reward(prompt, response)``: 1.0 when the response's final number is the sum, else 0.0.
+
+    Why a second task: this is the one the README's real-model run learns on 2 CPU cores within the hour.
+    SmolLM2-135M-Instruct answers in sentences ("7 + 5 = 12.") and, sampled at temperature 1, often rambles past
+    the cap or gets the sum wrong, so it starts near 0.27 (``bench/RESULTS.md``); both a right sum and a short
+    answer raise the reward, which groups of 8 samples tell apart from the first step. :class:`AdditionTask`
+    asks for the exact format on two digits, which this model almost never produces (base score 0.01-0.02).
+
+    Examples:
+        >>> task = SingleDigitAdditionTask(seed=0)
+        >>> task.prompt(0)
+        'What is 9 + 1? Reply with the number only.'
+        >>> task.reward(task.prompt(0), "9 + 1 = 10."), task.reward(task.prompt(0), "10 is 9 + 1")
+        (1.0, 0.0)
+    """
+
+    seed: int = 0
+
+    def prompt(self, index: int) -> str:
+        return AdditionTask(seed=self.seed, digits=1).prompt(index)
+
+    @staticmethod
+    def reward(prompt: str, response: str) -> float:
+        found = _QUESTION.search(prompt)
+        if found is None:
+            return 0.0
+        return float(final_number(response) == str(int(found.group(1)) + int(found.group(2))))

@@ -14,7 +14,7 @@ from tensordict import set_list_to_stack
 import rbpipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torchrl_handle.llm_stack import synthetic_steps  # noqa: E402
+from torchrl_handle.llm_stack import by_member, interleaved, synthetic_steps  # noqa: E402
 
 
 def _write_then_sample(rb, steps):
@@ -42,3 +42,36 @@ def test_handle_pickles_into_a_ray_task_on_another_node(ray_cluster, tmp_path):
             assert torch.isfinite(advantages).all()
         finally:
             rb.close()
+
+
+@pytest.mark.timeout(180)
+def test_same_groups_and_advantages_as_torchrls_ray_replay_buffer(ray_cluster, tmp_path):
+    """Issue 35's differential: the trajectories the recipe would hand to ``RayReplayBuffer(...,
+    transform_factory=partial(MCAdvantage, ...))``, interleaved across groups, through that buffer and through
+    the handle: the same rows, rewards, advantages and group counters."""
+    from functools import partial
+
+    from torchrl.data import LazyStackStorage
+    from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+
+    options = {"trajectory_return": "sum", "keep_return_bounds": (0.2, 0.8)}  # some groups dropped too
+    stream = interleaved(synthetic_steps(5, 4, seed=3))
+    with set_list_to_stack(True):
+        reference = RayReplayBuffer(storage=partial(LazyStackStorage, 100), batch_size=4,
+                                    transform_factory=partial(MCAdvantage, grpo_size=4, **options),
+                                    remote_config={"num_cpus": 0})
+        rb = rbpipe.replay_buffer(tmp_path / "store", grpo_size=4, batch_size=4, **options)
+        try:
+            for start in range(0, 20, 3):
+                reference.extend(stream[start:start + 3])
+                rb.extend(stream[start:start + 3])
+            assert 0 < len(rb) == len(reference) < 20 and rb.write_count == reference.write_count
+            want, got = by_member(reference[:]), by_member(rb[:])
+            assert got.keys() == want.keys()
+            for key, (reward, advantage) in want.items():
+                assert got[key][0] == reward
+                assert got[key][1] == pytest.approx(advantage, abs=1e-6)
+        finally:
+            rb.close()
+            reference.shutdown()

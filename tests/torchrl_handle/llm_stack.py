@@ -9,7 +9,7 @@ key torchrl's specs would have to declare."""
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, set_list_to_stack
+from tensordict import TensorDict, lazy_stack, set_list_to_stack
 from torchrl.data import Unbounded
 from torchrl.envs import StepCounter, Transform
 
@@ -140,3 +140,18 @@ def write_steps(rb, steps, chunk: int = 3) -> int:
     for start in range(0, steps.shape[0], chunk):
         rb.extend(steps[start:start + chunk])
     return steps.shape[0]
+
+
+def interleaved(steps, seed: int = 1):
+    """``steps`` in a seeded random order: members of different groups interleaved, as collectors hand them over."""
+    order = torch.randperm(steps.shape[0], generator=torch.Generator().manual_seed(seed))
+    return lazy_stack([steps[int(i)] for i in order])
+
+
+def by_member(rows) -> dict:
+    """``(query, response text) -> (rewards, advantages)`` of every stored row (one per sequence or per token)."""
+    out = {}
+    for row in rows.unbind(0):
+        out[(row["query"], row["text"].response)] = (row["next", "reward"].reshape(-1).tolist(),
+                                                     row["advantage"].reshape(-1).tolist())
+    return out

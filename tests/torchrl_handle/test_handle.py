@@ -2,7 +2,8 @@
 
 The differential reference is torchrl's in-process ``ReplayBuffer(storage=LazyStackStorage, transform=
 MCAdvantage(...))``: the same buffer and transform ``RayReplayBuffer`` runs inside its actor (starting Ray here
-would cost more than the rest of these tests together; ``bench/torchrl_buffer.py`` runs ``RayReplayBuffer``)."""
+would cost more than the rest of these tests together). ``tests/ray/test_torchrl_handle.py`` runs the same
+differential against ``RayReplayBuffer`` itself, on the Ray tests' cluster."""
 
 from __future__ import annotations
 
@@ -15,23 +16,12 @@ import sys
 import textwrap
 
 import pytest
-import torch
-from tensordict import lazy_stack
 from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage
 
 import rbpipe
 from rbpipe.errors import BadTrajectoryError, ConfigError
-from torchrl_handle.llm_stack import synthetic_steps, write_steps
-
-
-def _by_member(rows) -> dict:
-    """``(query, response text) -> (rewards, advantages)`` of every stored row (one per sequence or per token)."""
-    out = {}
-    for row in rows.unbind(0):
-        out[(row["query"], row["text"].response)] = (row["next", "reward"].reshape(-1).tolist(),
-                                                     row["advantage"].reshape(-1).tolist())
-    return out
+from torchrl_handle.llm_stack import by_member, interleaved, synthetic_steps, write_steps
 
 
 @pytest.mark.timeout(120)
@@ -41,9 +31,7 @@ def _by_member(rows) -> dict:
 def test_same_groups_and_advantages_as_torchrls_buffer(tmp_path, options):
     per_token = options == "per-token"
     options = {} if per_token else options
-    steps = synthetic_steps(5, 4, seed=3, per_token=per_token)
-    order = torch.randperm(steps.shape[0], generator=torch.Generator().manual_seed(1))
-    stream = lazy_stack([steps[int(i)] for i in order])  # members of different groups interleaved
+    stream = interleaved(synthetic_steps(5, 4, seed=3, per_token=per_token))
     reference = ReplayBuffer(storage=LazyStackStorage(100), transform=MCAdvantage(grpo_size=4, **options),
                              batch_size=4)
     rb = rbpipe.replay_buffer(tmp_path / "store", grpo_size=4, batch_size=4, **options)
@@ -52,7 +40,7 @@ def test_same_groups_and_advantages_as_torchrls_buffer(tmp_path, options):
             reference.extend(stream[start:start + 3])
             rb.extend(stream[start:start + 3])
         assert len(rb) == len(reference) and rb.write_count == reference.write_count
-        want, got = _by_member(reference[:]), _by_member(rb[:])
+        want, got = by_member(reference[:]), by_member(rb[:])
         assert got.keys() == want.keys()
         for key, (reward, advantage) in want.items():
             assert got[key][0] == reward

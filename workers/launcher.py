@@ -6,6 +6,9 @@ copy a parent that already ran multi-threaded torch ops (a child can then hang i
 lock) and share lazily-allocated storages by accident; the fork server only imported the heavy modules, so
 each worker starts clean without importing them again, and every shared object travels explicitly (manager
 proxies, paths of memory-mapped files and of the store). docs/DESIGN.md says why and what it saves.
+
+Size (over 500 lines): opening a run, the run itself, its supervision and its summary share the ``Worker`` records
+and the stop request; where workers run is :mod:`rbpipe.workers.sites`, the service is ``workers/serve.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import Any
 from rbpipe.config import RunConfig
 from rbpipe.errors import ConfigError, ManagerDiedError, RbpipeError
 from rbpipe.model.task_spec import check_task_fits
-from rbpipe.rundir import CONFIG, METRICS, PID_STARTS, PIDS, PLOT, RAY_WORKERS, RUN, STORE, SUMMARY
+from rbpipe.rundir import CONFIG, METRICS, PID_STARTS, PIDS, PLOT, RUN, STORE, SUMMARY
 from rbpipe.service.clients import check_store_path, open_run_store
+from rbpipe.service.engine import ENGINES, LOCAL
 from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.system.fsutil import atomic_write_json
@@ -45,6 +49,7 @@ from rbpipe.tracking.report import (
 from rbpipe.workers.collector import collector_entry
 from rbpipe.workers.learner import learner_entry
 from rbpipe.workers.serve import Service
+from rbpipe.workers.sites import WorkerSite, open_site
 
 SUPERVISE_POLL_S = 0.1  # the supervisor's look at the service: a finished run is wound down this soon after
 STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
@@ -244,9 +249,9 @@ def serve(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: P
 
 def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progress: bool, log,
                   spawn_workers: bool, listen=None, engine: str = "local", ray: dict | None = None) -> dict[str, Any]:
-    if engine not in ("local", "ray"):
+    if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r}: expected 'local' or 'ray'")
-    if engine == "local" and ray:
+    if engine == LOCAL and ray:
         raise ConfigError("--ray-address, --grouping-shards and the other --ray-* options need --engine ray")
     with StopRequest() as stop_request:  # from here on, Ctrl-C/SIGTERM never cut a step in half
         if resume is not None:
@@ -259,7 +264,7 @@ def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progr
             raise ConfigError(f"--grouping {cfg.grouping}: a run's collectors and learner attach to rbpipe's shared "
                               "grouping service; torchrl's stock MCAdvantage is the baseline of "
                               "`python bench/grouping.py` and `rbpipe stress --grouping torchrl`")
-        check_task_and_model(cfg, local_devices=engine == "local")  # before the run dir or the store is touched
+        check_task_and_model(cfg, local_devices=engine == LOCAL)  # before the run dir or the store is touched
         store = store.resolve()
         lock = WriterLock(store)
         lock.acquire()
@@ -288,11 +293,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
     the summary."""
     t0 = time.time()
     ray = ray or {}
-    session = None
-    if engine == "ray":
-        ctx = _ray_context(cfg, ray)
-    else:
-        ctx = worker_context()
+    site = open_site(engine, cfg, ray)
     service = Service(cfg, run_dir, store, storage, listen=listen,
                       expect_collectors=cfg.collectors if spawn_workers else 1, engine=engine,
                       grouping_shards=int(ray.get("grouping_shards") or 1))
@@ -301,11 +302,7 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
     session_start = None
     try:
         stop_request.check()
-        if engine == "ray":
-            from rbpipe.service.ray import RaySession
-
-            session = RaySession(ray.get("address"), num_cpus=max(2, cfg.collectors + 1)).start()
-            ctx.namespace = session.namespace
+        site.open()
         service.start(log=log)
         assert service.manager is not None  # (started)
         session_start = {"produced": 0, "rejected": 0, "rows": service.rows_at_start, "requeued": service.requeued,
@@ -323,12 +320,10 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         write_pids(run_dir, pids)
         pids.update(service.host_pids())
         for w in workers:
-            _start(ctx, w, pids, run_dir)
-        if engine == "ray":
-            assert session is not None  # (started above)
-            atomic_write_json(run_dir / RAY_WORKERS, {"namespace": session.namespace, "workers": ctx.placed})
+            _start(site.ctx, w, pids, run_dir)
+        site.record(run_dir)
         status = _supervise(cfg, workers, service, run_dir, pids, stop_request, progress=progress, log=log,
-                            ctx=ctx)
+                            site=site)
     except _Interrupted:
         pass
     except ManagerDiedError as err:  # a summary all the same: the store, the metrics and the checkpoint say enough
@@ -352,14 +347,10 @@ def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: Wr
         except RbpipeError as err:
             log(f"catalogue repair skipped: {err}")
         lock.release()
-        if engine == "ray":
-            if session is not None:
-                atomic_write_json(run_dir / RAY_WORKERS, {"namespace": session.namespace, "workers": ctx.placed})
-                session.close()
+        site.close(run_dir)
     summary = _summarize(cfg, run_dir, store, storage, final, workers, t0, status, session_start)
     summary["engine"] = engine
-    if engine == "ray":
-        summary["grouping_shards"] = int(ray.get("grouping_shards") or 1)
+    summary.update(site.summary_fields())
     (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
     log(summary_table(summary))
     if status == "done" and cfg.target_reward is not None:
@@ -376,23 +367,6 @@ def _describe(address) -> str:
     if isinstance(address, tuple):
         return f"{address[0]}:{address[1]}"
     return f"unix socket {address}" if str(address).startswith("/") else f"Ray cluster {address}"
-
-
-def _ray_context(cfg: RunConfig, ray: dict):
-    """Workers as Ray actors: the supervisor's ``ctx.Process`` starts the same loops ``rbpipe run``'s processes
-    run (without the process-level wrapping: Ray owns the actor's process)."""
-    import functools
-
-    from rbpipe.service.ray import RayContext, parse_resources
-    from rbpipe.workers.collector import run_collector
-    from rbpipe.workers.learner import run_learner
-
-    resources = ray.get("resources")
-    resources = parse_resources(resources) if isinstance(resources, str) else (resources or {})
-    entries = {collector_entry: functools.partial(run_collector, announce=False),
-               learner_entry: functools.partial(run_learner, announce=False)}
-    return RayContext(entries, num_cpus=float(ray.get("num_cpus", 1)), num_gpus=float(ray.get("num_gpus") or 0),
-                      resources=resources, learner_restarts=cfg.max_restarts)
 
 
 def _start(ctx, w: Worker, pids: dict | None = None, run_dir: Path | None = None) -> None:
@@ -417,7 +391,7 @@ def _manager_pid(manager) -> int | None:
 
 
 def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir: Path, pids: dict,
-               stop_request: StopRequest, *, progress: bool, log, ctx=None) -> str:
+               stop_request: StopRequest, *, progress: bool, log, site: WorkerSite | None = None) -> str:
     """Watch the service (and ``rbpipe run``'s workers) until the learner finishes or a stop is requested;
     restart dead collectors with back-off."""
     status = service.status()
@@ -444,7 +418,7 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
             if learner_state["done"]:
                 return "done"
             if learner is not None and hasattr(learner.process, "poll_restarts"):
-                _note_learner_restarts(learner, pids, run_dir, ctx, cfg, log)
+                _note_learner_restarts(learner, pids, run_dir, site, cfg, log)
             if learner is not None and not learner.process.is_alive():
                 if _final_status(service).get("learner", {}).get("done"):  # reported done, left between two checks
                     return "done"
@@ -464,7 +438,7 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
                     w.next_start = time.time() + delay
                     w.restarts += 1
                 elif w.process is None and time.time() >= w.next_start:
-                    _start(ctx if ctx is not None else worker_context(), w, pids, run_dir)
+                    _start(site.ctx if site is not None else worker_context(), w, pids, run_dir)
             step = int(learner_state["step"])
             bar.n = step
             bar.set_description(phase(int(learner_state["phase"]), step, start_step), refresh=False)
@@ -496,7 +470,8 @@ def _supervise(cfg: RunConfig, workers: list[Worker], service: Service, run_dir:
         bar.close()
 
 
-def _note_learner_restarts(learner: Worker, pids: dict, run_dir: Path, ctx, cfg: RunConfig, log) -> None:
+def _note_learner_restarts(learner: Worker, pids: dict, run_dir: Path, site: WorkerSite | None, cfg: RunConfig,
+                           log) -> None:
     """``--engine ray``: Ray restarts the learner's actor itself, which resumes from the latest checkpoint; the
     run goes on. Note each restart (summary, ``pids.json``, ``ray_workers.json``)."""
     seen = learner.process.poll_restarts()
@@ -507,8 +482,8 @@ def _note_learner_restarts(learner: Worker, pids: dict, run_dir: Path, ctx, cfg:
     log(f"learner actor restarted by Ray ({seen}/{cfg.max_restarts}): it resumes from its last checkpoint")
     pids["learner"] = learner.process.pid
     write_pids(run_dir, pids)
-    if ctx is not None and getattr(ctx, "namespace", None):
-        atomic_write_json(run_dir / RAY_WORKERS, {"namespace": ctx.namespace, "workers": ctx.placed})
+    if site is not None:
+        site.record(run_dir)
 
 
 def _stall_report(status: dict, idle_s: float) -> str:

@@ -1,4 +1,8 @@
-"""``rbpipe`` command line: argument parsing and presentation only; the work lives in the library."""
+"""``rbpipe`` command line: argument parsing and presentation only; the work lives in the library.
+
+Size (over 500 lines): one parser and one presentation function per subcommand (``run``, ``serve``, ``collector``,
+``learner``, ``inspect``, ``query``, ``view``, ``stress``, ...); the work itself lives in the library.
+"""
 
 from __future__ import annotations
 

@@ -110,5 +110,33 @@ class LeaseTable:
             return list(self._expiry)
 
 
+class LeaseAuthority:
+    """The lease calls a service answers for its writers, over one :class:`LeaseTable` (``self._leases``).
+
+    Why a mixin: the local engine's :class:`~rbpipe.grouping.registry.GroupRegistry` (behind the manager) and the
+    Ray engine's coordinator actor are both the authority of their service's leases; with one definition a
+    writer's heartbeat means the same on both engines.
+    """
+
+    _leases: LeaseTable
+
+    def lease(self) -> str:
+        """A new lease token for a writer: the owner of what it claims while the lease lives."""
+        return self._leases.grant()
+
+    def renew(self, token) -> bool:
+        """Keep ``token`` alive (a heartbeat); False when it expired or was released (take a new one)."""
+        return self._leases.renew(token) if isinstance(token, str) else False
+
+    def release(self, token) -> None:
+        """The writer leaves: what it holds is handed to the next caller at once."""
+        if isinstance(token, str):
+            self._leases.release(token)
+
+    def lease_ttl(self) -> float:
+        """Seconds a lease lives without a renewal (renew at least every third of it)."""
+        return self._leases.ttl_s
+
+
 #: (Manager process.) The one table that registries and coordinators of a service share.
 LEASES = LeaseTable(_default_ttl())

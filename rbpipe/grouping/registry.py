@@ -33,6 +33,9 @@ whatever it raises, ``SystemExit`` included: reason ``selector_error``; anything
 its group instead of leaving it queued, and the manager's connection thread that ran it lives on. A writer
 confirms (or quarantines) a claim under the lease it was handed to: once another writer took it over, the first
 is refused, so a claim is confirmed once.
+
+Size (over 500 lines): one class, the methods the manager proxy exposes (append, confirm, recover, quarantine,
+counters, leases); they share its state (shards, claims, deferred counters, row ranges) under its locks.
 """
 
 from __future__ import annotations
@@ -43,14 +46,14 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from tensordict import TensorDict, lazy_stack
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
-from rbpipe.grouping.leases import LEASES, LeaseTable
+from rbpipe.grouping.leases import LEASES, LeaseAuthority, LeaseTable
 from rbpipe.trajectory import numpy_view
 
 _G, _R, _D, _A, _H = "group", "reward", "done", "advantage", "handle"
@@ -63,6 +66,31 @@ STAT_NAMES = ("completed_trajectories", "completed_decisions", "trajectory_retur
 DEFERRED = ("completed_groups", "written_groups", "rescued_groups", "selected_trajectories",
             "unselected_trajectories")
 QUEUE_STATS = ("queued_groups", "queued_trajectories", "max_queued_trajectories_per_group")
+#: Counters that are maxima, not sums, when several shards' counters make one registry's.
+MAX_STATS = ("trajectory_return_max", "max_queued_trajectories_per_group")
+
+
+def sum_stats(parts: Iterable[Mapping[str, Any]]) -> dict:
+    """Several shards' counters as one registry's (:data:`MAX_STATS` by maximum, the rest by sum): the one sum
+    for the shards inside a manager and the Ray engine's shard actors.
+
+    Examples:
+        >>> a = {"written_groups": 2, "trajectory_return_max": 1.0}
+        >>> sum_stats([a, {"written_groups": 3, "trajectory_return_max": 0.5}])
+        {'written_groups': 5, 'trajectory_return_max': 1.0}
+    """
+    total: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            if name not in total:
+                total[name] = value
+            elif name in MAX_STATS:
+                total[name] = max(total[name], value)
+            else:
+                total[name] += value
+    return total
+
+
 #: Why groups were dropped besides torchrl's own dynamic sampling (counted in ``dropped_groups`` too).
 DROP_REASONS = ("quarantined", "nonfinite_advantage", "selector_error", "decision_error")
 #: A claim whose writers' leases died this many times while holding it is quarantined, not handed on again.
@@ -204,8 +232,9 @@ class _Shard:
         self.hids = itertools.count()
 
 
-class GroupRegistry:
-    """Shared grouping state; its public methods are what the manager proxy exposes."""
+class GroupRegistry(LeaseAuthority):
+    """Shared grouping state; its public methods are what the manager proxy exposes (the lease calls are
+    :class:`~rbpipe.grouping.leases.LeaseAuthority`'s, over the manager process's one table)."""
 
     exposed = ("append", "append_many", "confirm", "confirm_many", "unconfirmed", "recover", "get_stats",
                "reset_stats", "clear_queues", "ping", "options", "quarantine", "quarantined", "drop_reasons",
@@ -235,24 +264,6 @@ class GroupRegistry:
 
     def options(self) -> dict:
         return dict(self._options)
-
-    # -- leases: who owns a claim --------------------------------------------------------------------------------
-    def lease(self) -> str:
-        """A new lease token for a writer: the owner of the claims it completes while the lease lives."""
-        return self._leases.grant()
-
-    def renew(self, token) -> bool:
-        """Keep ``token`` alive (a heartbeat); False when it expired or was released (take a new one)."""
-        return self._leases.renew(token) if isinstance(token, str) else False
-
-    def release(self, token) -> None:
-        """The writer leaves: the claims it holds are handed to the next caller at once."""
-        if isinstance(token, str):
-            self._leases.release(token)
-
-    def lease_ttl(self) -> float:
-        """Seconds a lease lives without a renewal (renew at least every third of it)."""
-        return self._leases.ttl_s
 
     def join_info(self) -> dict:
         return {"options": dict(self._options), "staging": self.staging}
@@ -519,16 +530,13 @@ class GroupRegistry:
     def get_stats(self, fresh: bool = False) -> dict:
         """The counters summed over the shards, always current (read under their locks): ``fresh`` is for
         callers that also read Ray's sharded registry, whose counters may lag (the coordinator)."""
-        stats: dict[str, Any] = {name: 0 for name in STAT_NAMES}
-        stats["trajectory_return_sum"] = 0.0
-        stats["trajectory_return_max"] = float("-inf")
+        parts: list[dict[str, Any]] = []
         queue_lens: list[int] = []
         for shard in self._shards:
             with shard.lock:
-                for name in STAT_NAMES:
-                    value = shard.mc._stats[name]
-                    stats[name] = max(stats[name], value) if name == "trajectory_return_max" else stats[name] + value
+                parts.append({name: shard.mc._stats[name] for name in STAT_NAMES})
                 queue_lens.extend(len(q) for q in shard.mc.queues.values())
+        stats = sum_stats(parts)
         with self._claims_lock:
             for claim in self._claims.values():
                 for name, delta in claim["deltas"].items():

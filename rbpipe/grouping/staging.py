@@ -28,6 +28,9 @@ path).
 The payload's bytes are :mod:`rbpipe.grouping.codec`'s. A group that cannot be written is moved whole to
 ``quarantine/<claim id>/`` (its payloads and a ``reason.json``), out of the handle namespace, for a person to
 inspect.
+
+Size (over 500 lines): the staging area and its owner locks, which its sweep reads; the payload codec is already
+:mod:`rbpipe.grouping.codec`.
 """
 
 from __future__ import annotations

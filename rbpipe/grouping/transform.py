@@ -10,20 +10,19 @@ process takes one from the manager on first use (a forked child takes its own), 
 heartbeat thread every third of its time to live, and releases it on :meth:`SharedMCAdvantage.close` and at
 exit, so the claims of a writer that leaves are handed on at once, and those of one that is killed (or
 frozen) once its lease expires, whatever PID namespace, container or host it runs in.
+
+Size (over 500 lines): torchrl's ``MCAdvantage`` face (``inv``, counters, queues) plus the claim's life (process,
+load, confirm, quarantine, recover, requeue) on one set of state; the process lease is
+:mod:`rbpipe.grouping.lease_client`, claims are :mod:`rbpipe.grouping.claims`.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
-import threading
 import uuid
 import warnings
-import weakref
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,9 @@ from tensordict import TensorDictBase
 from torchrl.objectives.llm import MCAdvantage, MCAdvantageSelector
 
 from rbpipe.errors import BadTrajectoryError, ConfigError
-from rbpipe.grouping.leases import TTL_ENV, ttl_from_env
+from rbpipe.grouping.claims import Claim, ClaimLostWarning, warn_lost
+from rbpipe.grouping.lease_client import LEASE_LOCK, ProcessLease
+from rbpipe.grouping.leases import ttl_from_env
 from rbpipe.grouping.manager import call, open_registry, start_manager
 from rbpipe.grouping.registry import QUEUE_STATS, STAT_NAMES, decode_tensor, encode_tensor
 from rbpipe.grouping.staging import (
@@ -82,193 +83,6 @@ def selector_fields(selector: MCAdvantageSelector) -> tuple[tuple[str, ...], ...
                               "(the field then travels with each trajectory's reward); use one of those")
         fields.append(parts[1:])
     return tuple(fields)
-
-
-class _WriterLease:
-    """This process's lease on a registry: taken on first use (again after a fork: a child never shares its
-    parent's), kept alive by a daemon heartbeat thread, released by :meth:`release` or at exit."""
-
-    def __init__(self, registry) -> None:
-        self.registry = registry
-        self._reinit()
-        _LEASES_HELD.add(self)
-
-    def _reinit(self) -> None:
-        self.token: str | None = None
-        self.pid: int | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-
-    def token_now(self) -> str:
-        """The token to own claims with (a new lease on first use, after a fork, or once the last expired)."""
-        pid, token = os.getpid(), self.token
-        if self.pid == pid and token is not None:
-            return token
-        with self._lock:
-            if self.pid != pid or self.token is None:
-                token = call(self.registry, "lease")
-                period = float(call(self.registry, "lease_ttl")) / 3
-                self._stop = stop = threading.Event()
-                discarded = threading.Event()
-                self.token, self.pid = token, pid
-                # the thread holds the lease weakly: a transform dropped without close() takes its heartbeat
-                # (and its lease, released by the thread on its own connection) with it
-                finalizer = weakref.finalize(self, _discard, discarded, stop)
-                finalizer.atexit = False
-                threading.Thread(target=_beat, args=(weakref.ref(self), self.registry, token, pid, period, stop,
-                                                     discarded),
-                                 daemon=True, name="rbpipe-lease-heartbeat").start()
-            return self.token
-
-    def release(self) -> None:
-        """Hand what this process owns on at once (its next call takes a new lease)."""
-        with self._lock:
-            token, self.token = self.token, None
-            self._stop.set()
-        if token is not None and self.pid == os.getpid():
-            try:
-                call(self.registry, "release", token)
-            except BaseException:  # noqa: BLE001 - the manager is gone: the lease went with it
-                pass
-
-
-def _discard(discarded: threading.Event, stop: threading.Event) -> None:
-    """The lease was garbage-collected (its transform dropped without ``close()``): its heartbeat ends and
-    releases it. Only events here: a call to the manager from a finalizer could land in the middle of another
-    call on the same connection."""
-    discarded.set()
-    stop.set()
-
-
-def _beat(ref: weakref.ReferenceType, registry, token: str, pid: int, period: float, stop: threading.Event,
-          discarded: threading.Event) -> None:
-    """Renew ``token`` every ``period`` s until released; leave quietly when the manager is gone, the process
-    exits, or the lease expired (the next call takes a new one: what it owned may be another's). Holds the lease
-    (``ref``) only while it looks at it: once the lease is gone, release ``token`` and end."""
-    while not stop.wait(period):
-        lease = ref()
-        if lease is None:
-            break
-        if os.getpid() != pid or sys.is_finalizing() or lease.token != token:
-            return
-        del lease
-        try:
-            alive = call(registry, "renew", token)
-        except BaseException:  # noqa: BLE001 - a dead manager, or an interpreter shutting down
-            return
-        if not alive:
-            lease = ref()
-            if lease is not None:
-                with lease._lock:
-                    if lease.token == token:
-                        lease.token = None
-            return
-    if (discarded.is_set() or ref() is None) and os.getpid() == pid and not sys.is_finalizing():
-        try:
-            call(registry, "release", token)  # what the dropped transform held goes on at once
-        except BaseException:  # noqa: BLE001 - the manager is gone: the lease went with it
-            pass
-
-
-ProcessLease = _WriterLease  # public name: a learner (or any worker that owns no claims) holds one too
-
-_LEASES_HELD: weakref.WeakSet = weakref.WeakSet()
-
-
-def _release_leases() -> None:
-    """At exit (atexit, or a ``multiprocess(ing)`` child's exit finalizers): release this process's leases, so
-    its unwritten claims are handed on at once instead of after their time to live."""
-    pid = os.getpid()
-    for lease in list(_LEASES_HELD):
-        if lease.pid == pid:
-            lease.release()
-
-
-def _forget_leases() -> None:
-    """In a forked child: the parent's leases, locks and heartbeats are not the child's."""
-    for lease in list(_LEASES_HELD):
-        lease._reinit()
-
-
-def _register_lease_hooks(*_) -> None:
-    import multiprocessing.util as std_util
-
-    import multiprocess.util as mp_util
-
-    for util in (std_util, mp_util):  # these children leave by os._exit: atexit does not run there
-        util.Finalize(None, _release_leases, exitpriority=20)  # before proxies drop their connections (10)
-
-
-atexit.register(_release_leases)
-_register_lease_hooks()
-
-
-def _leases_after_fork() -> None:
-    _forget_leases()
-    _register_lease_hooks()
-
-
-os.register_at_fork(after_in_child=_leases_after_fork)
-
-
-def _register_after_multiprocess_fork() -> None:
-    import multiprocess.util as mp_util
-
-    mp_util.register_after_fork(_register_lease_hooks, _register_lease_hooks)  # it clears finalizers after fork
-
-
-_register_after_multiprocess_fork()
-
-
-class ClaimLostWarning(RuntimeWarning):
-    """A claim this process held was taken over by another writer: its lease expired (it did not renew it for
-    the lease's time to live: frozen, stalled, suspended) before the group was confirmed."""
-
-
-def _warn_lost(group, what: str) -> None:
-    warnings.warn(f"group {group!r} is no longer this process's to write ({what}): its lease expired (no heartbeat "
-                  f"for the lease's time to live, e.g. the process was frozen or stalled) and another writer took "
-                  f"the group over, which writes and confirms it. Nothing to do here; if this repeats, raise "
-                  f"{TTL_ENV} or find what stalls this process", ClaimLostWarning, stacklevel=4)
-
-
-@dataclass
-class Claim:
-    """A completed group this process must write, then confirm."""
-
-    claim_id: str
-    group: Any
-    selected: list[str]
-    advantages: list[tuple]
-    unselected: list[str]
-    rows: int | None = None
-    _members: list[TensorDictBase] | None = field(default=None, repr=False)
-    #: the selected members already concatenated (``load``'s fast path for same-layout tensor trajectories)
-    assembled: TensorDictBase | None = field(default=None, repr=False)
-    _sizes: list[int] | None = field(default=None, repr=False)
-    #: one-step members of varying lengths as one TensorDict of ``[n, j]`` jagged leaves, for rbpipe stores
-    jagged: TensorDictBase | None = field(default=None, repr=False)
-    _build_members: Any = field(default=None, repr=False)
-    #: taken over from a writer that died (or, with ``recover(force=True)``, from another writer)
-    recovered: bool = False
-    #: why writing it failed (set by the writer that quarantined it)
-    error: BaseException | None = field(default=None, repr=False)
-    #: the lease token it was handed to: only that owner may confirm or quarantine it (None: anyone may)
-    owner: str | None = field(default=None, repr=False)
-
-    @property
-    def members(self) -> list[TensorDictBase]:
-        """The selected trajectories, advantages set (built by ``load``, or on first use)."""
-        if self._members is None:
-            if self._build_members is not None:
-                self._members = self._build_members()
-            else:
-                self._members = [] if self.assembled is None else list(self.assembled.split(self._sizes))
-        return self._members
-
-    @property
-    def handles(self) -> list[str]:
-        return self.selected + self.unselected
 
 
 class SharedMCAdvantage(MCAdvantage):
@@ -371,10 +185,10 @@ class SharedMCAdvantage(MCAdvantage):
         """This process's lease token (taken on first use, renewed by a heartbeat thread)."""
         lease = self.__dict__.get("_lease")
         if lease is None:
-            with _LEASE_LOCK:
+            with LEASE_LOCK:
                 lease = self.__dict__.get("_lease")
                 if lease is None:
-                    lease = self.__dict__["_lease"] = _WriterLease(self._registry)
+                    lease = self.__dict__["_lease"] = ProcessLease(self._registry)
         return lease.token_now()
 
     def lease_token(self) -> str:
@@ -548,7 +362,7 @@ class SharedMCAdvantage(MCAdvantage):
                     claim = self.load(decision, owner)
                 except Exception as err:
                     if self.quarantine(self._bare_claim(decision, owner), err, warn=False) is None:
-                        _warn_lost(decision["group"], "its payloads could not be read")  # another writer's now
+                        warn_lost(decision["group"], "its payloads could not be read")  # another writer's now
                         continue
                     raise
                 yield claim
@@ -570,7 +384,7 @@ class SharedMCAdvantage(MCAdvantage):
                 claim = self.load(decision, owner)
             except Exception as err:  # noqa: BLE001 - a poison claim must not kill the writer that took it over
                 if self.quarantine(self._bare_claim(decision, owner), err) is None:
-                    _warn_lost(decision["group"], "its payloads could not be read")
+                    warn_lost(decision["group"], "its payloads could not be read")
                 continue
             claim.recovered = True
             yield claim
@@ -720,7 +534,7 @@ class SharedMCAdvantage(MCAdvantage):
                 if ok or owner is None:  # without an owner: as before, idempotent
                     confirmed.append(claim)
                 else:
-                    _warn_lost(claim.group, "it was not confirmed here")
+                    warn_lost(claim.group, "it was not confirmed here")
         self.staging.delete([handle for claim in confirmed for handle in claim.handles])
         return confirmed
 
@@ -789,7 +603,5 @@ class SharedMCAdvantage(MCAdvantage):
                 claims.append(self.load(decision, owner))
         return claims, requeued, torn, by_group
 
-
-_LEASE_LOCK = threading.Lock()
 
 __all__ = ["QUEUE_STATS", "STAT_NAMES", "Claim", "ClaimLostWarning", "SharedMCAdvantage"]

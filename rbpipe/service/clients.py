@@ -291,7 +291,7 @@ class LearnerClient(_Attached):
     def __init__(self, target: str | Path, *, authkey_file: str | None = None, task: str | None = None,
                  model: str | None = None, wait_for_role: bool = False) -> None:
         super().__init__(target, authkey_file, task, model)
-        from rbpipe.grouping.transform import ProcessLease
+        from rbpipe.grouping.lease_client import ProcessLease
 
         self._lease = ProcessLease(self.attachment.registry)
         self.lease = self._lease.token_now()

@@ -19,7 +19,8 @@ from rbpipe.errors import ConfigError
 from rbpipe.service.host import ServiceHost
 from rbpipe.service.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 
-ENGINES = ("local", "ray")
+LOCAL, RAY = "local", "ray"
+ENGINES = (LOCAL, RAY)
 
 
 class Weights(Protocol):
@@ -113,8 +114,8 @@ class RayEngine:
 
 def open_engine(kind: str) -> Engine:
     """The engine named ``kind`` (``--engine``)."""
-    if kind == "local":
+    if kind == LOCAL:
         return LocalEngine()
-    if kind == "ray":
+    if kind == RAY:
         return RayEngine()
     raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {kind!r}")

@@ -7,6 +7,10 @@
 This class only adapts them to torchrl: it turns an index into rows of blocks, commits a write through the
 backend then the ledger, applies retention, buffers catalogue rows and pickles as its path. Rows are
 numbered by *position* among the live groups in commit order (see ``ledger.Ledger``).
+
+Size (over 500 lines): torchrl's ``Storage`` interface (index reads, ``set``, ``len``, ``dumps``/``loads``,
+``state_dict``) and the store's own reads (by group, by column, snapshots) are one class's API; what has a job of
+its own is already outside it (ledger, backends, decoder, catalogue).
 """
 
 from __future__ import annotations

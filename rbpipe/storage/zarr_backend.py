@@ -5,6 +5,10 @@ chunks (rows, and values of ragged fields) under an ``fcntl`` lock and fills the
 no two processes ever share a chunk, and no group straddles a chunk boundary unless it is larger than a
 chunk. Arrays are created once with a huge fixed shape (never ``append``/``resize``), and a group becomes
 visible only through its commit-log line, written last.
+
+Size (over 500 lines): one backend end to end, the twin of ``arrow_backend.py``: chunk reservation, ragged values,
+writes and reads share the invariant above (no two processes in one chunk), which a split would spread over two
+files.
 """
 
 from __future__ import annotations

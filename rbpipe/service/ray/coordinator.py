@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
+from rbpipe.grouping.leases import LeaseAuthority
 from rbpipe.rundir import SHARD_LOGS
 from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
 from rbpipe.service.ray.session import init_ray, use_loopback
@@ -82,7 +83,7 @@ class LastKnownStats:
         return self._last
 
 
-class CoordinatorHost:
+class CoordinatorHost(LeaseAuthority):
     """The service's coordinator (a Ray actor): work units, learner progress, the lease authority, the weights."""
 
     def __init__(self, ttl_s: float) -> None:
@@ -92,7 +93,7 @@ class CoordinatorHost:
 
         torch.set_num_threads(1)
         LEASES.ttl_s = float(ttl_s)  # the table the Coordinator checks: this process's, the authority
-        self.leases = LEASES
+        self._leases = LEASES  # lease calls: LeaseAuthority's; granted here, adopted by the shards
         self.coordinators: dict[str, Any] = {}
         self.weights: tuple[int, int, list | None] = (0, 0, None)
 
@@ -122,20 +123,6 @@ class CoordinatorHost:
             coordinator = self.coordinators.get(name)
             if coordinator is not None:
                 coordinator.appended_many(owner, {group: n})
-
-    # leases: granted here, adopted by the shards
-    def lease(self) -> str:
-        return self.leases.grant()
-
-    def renew(self, token) -> bool:
-        return self.leases.renew(token) if isinstance(token, str) else False
-
-    def release_lease(self, token) -> None:
-        if isinstance(token, str):
-            self.leases.release(token)
-
-    def lease_ttl(self) -> float:
-        return self.leases.ttl_s
 
     # weights: the latest version's object ref (one ``ray.put`` per version, by the publisher)
     def set_weights(self, version: int, learner_step: int | None, refs: list) -> None:

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
-from rbpipe.grouping.registry import shard_of
+from rbpipe.grouping.registry import shard_of, sum_stats
 from rbpipe.rundir import SHARD_LOG
 from rbpipe.service.ray.common import COORDINATOR_NAME, _get, _Proxy, _ray
 from rbpipe.service.ray.shardlog import LOGGED, call_record, open_record, options_fingerprint, read_log
@@ -386,24 +386,11 @@ class ShardedRegistry(_Proxy):
         are there (a call to a shard that Ray is restarting waits until it is back)."""
         return [s.call.remote(self._name, "get_stats", (), {}) for s in self._shards]
 
-    @staticmethod
-    def sum_stats(parts: list[dict]) -> dict:
-        """The shards' counters as one registry's."""
-        stats = dict(parts[0])
-        for part in parts[1:]:
-            for name, value in part.items():
-                if name in ("trajectory_return_max", "max_queued_trajectories_per_group"):
-                    stats[name] = max(stats[name], value)
-                else:
-                    stats[name] += value
-        return stats
+    #: the shards' counters as one registry's (the coordinator actor sums the answers of :meth:`stats_calls`)
+    sum_stats = staticmethod(sum_stats)
 
     def _do_drop_reasons(self) -> dict:
-        total: dict[str, int] = {}
-        for part in self._all("drop_reasons"):
-            for name, value in part.items():
-                total[name] = total.get(name, 0) + value
-        return total
+        return sum_stats(self._all("drop_reasons"))
 
     # -- leases: the coordinator is the authority, every shard adopts --
     def _do_lease(self) -> str:
@@ -419,7 +406,7 @@ class ShardedRegistry(_Proxy):
         return alive
 
     def _do_release(self, token) -> None:
-        _get(self._coordinator.release_lease.remote(token), "coordinator")
+        _get(self._coordinator.release.remote(token), "coordinator")
         self._shard_get(lambda: [s.release.remote(token) for s in self._shards])
 
     def _do_lease_ttl(self) -> float:

@@ -48,3 +48,27 @@ def test_torn_read_is_retried_until_consistent(tmp_path):
         weights.load_into(model, timeout=0.05)
     weights._header[0] += 1
     assert weights.load_into(model) == 1
+
+
+def _shared_resident_kb() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssShmem:"))
+
+
+def test_publishing_keeps_the_vector_out_of_the_publishers_resident_memory(tmp_path):
+    """Issue 38's learner memory: a publish writes through the file, so the learner's resident set does not hold
+    the shared vector (40 MB here; 540 MB for SmolLM2-135M) for the rest of the run, and what a reader maps
+    back is exactly the model's parameters, in order, as float32 (a bf16 parameter converted)."""
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 10_000), torch.nn.Linear(10_000, 1, dtype=torch.bfloat16))
+    flat = flat_parameters(model)
+    weights = SharedWeights(tmp_path / "w", flat.numel(), create=True)
+    before = _shared_resident_kb()
+    weights.publish(model, version=3, learner_step=5)
+    assert _shared_resident_kb() - before < flat.numel() * 4 // 1024 // 10  # < 10% of the 40 MB vector
+    reader = SharedWeights(tmp_path / "w", flat.numel())
+    assert (reader.version, reader.learner_step) == (3, 5)
+    assert torch.equal(reader._flat, flat)
+    small = SharedWeights(tmp_path / "small", 10, create=True)
+    with pytest.raises(ValueError, match="holds 10"):
+        small.publish(model, version=1)
+    assert small._header[0] % 2 == 0  # not left "writing"

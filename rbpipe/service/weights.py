@@ -4,16 +4,22 @@
 and needs no pickling and no process-library primitive (stdlib and ``multiprocess`` alike see a path).
 A seqlock (counter odd while writing) lets readers detect and retry a torn copy without a lock that a
 killed learner could leave held.
+
+The learner writes the vector through the file (``os.pwrite``, one parameter at a time), not through its
+mapping: pages it touched in a mapping would count in its resident memory for the rest of the run (the whole
+vector, 540 MB for SmolLM2-135M), and one ``torch.cat`` of every parameter would add as much again at each
+publish; the readers' mappings see the same pages.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import torch
 
-from rbpipe.demo.policy import flat_parameters, load_flat_parameters
+from rbpipe.demo.policy import load_flat_parameters
 from rbpipe.system.procs import shared_memory_dir, sweep_dead_files
 
 _SEQ, _VERSION, _STEP, _NUMEL = 0, 1, 2, 3
@@ -69,8 +75,11 @@ class SharedWeights:
         return int(self._header[_STEP])
 
     def publish(self, model: torch.nn.Module, *, version: int, learner_step: int | None = None) -> None:
+        count = sum(p.numel() for p in model.parameters())
+        if count != self.numel:  # before the header says "writing": readers never wait on a publish that failed
+            raise ValueError(f"the model has {count} parameters; {self.path} holds {self.numel}")
         self._header[_SEQ] += 1  # odd: writing
-        self._flat.copy_(flat_parameters(model))
+        write_parameters(self.path, model)
         self._header[_VERSION] = version
         if learner_step is not None:
             self._header[_STEP] = learner_step
@@ -94,3 +103,20 @@ class SharedWeights:
     def unlink(self) -> None:
         for p in (self.path, self._header_path):
             p.unlink(missing_ok=True)
+
+
+def write_parameters(path: Path, model: torch.nn.Module) -> None:
+    """Write ``model``'s parameters as one float32 vector into the file at ``path``, one parameter at a time
+    (a temporary copy only for a parameter on another device or in another dtype)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        offset = 0
+        for p in model.parameters():
+            values = p.detach().reshape(-1).to("cpu", torch.float32).numpy()
+            view, at = memoryview(values).cast("B"), offset * 4
+            while view:  # pwrite may write less than asked (a signal); the rest follows
+                written = os.pwrite(fd, view, at)
+                view, at = view[written:], at + written
+            offset += values.size
+    finally:
+        os.close(fd)

@@ -23,12 +23,9 @@ from rbpipe.model.rollout import Rollouts
 from rbpipe.sampling.staleness import units_per_ask
 from rbpipe.service.clients import CollectorClient
 from rbpipe.system.procs import run_worker, settle_heap
+from rbpipe.timing import TAKE_WAIT_S
 from rbpipe.tracking.memory import PeakMemory
 from rbpipe.trajectory import FINISH_REASON_KEY
-
-#: How long one ask waits for prompts to open while the rate limit holds them back (the service answers as soon
-#: as the learner moves the band; the collector checks for a stop request in between).
-TAKE_WAIT_S = 0.1
 
 
 def run_collector(target: str | Path, collector_id: int | None = None, *, task: str | None = None,

@@ -33,6 +33,7 @@ from rbpipe.storage import WriterLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.system.fsutil import atomic_write_json
 from rbpipe.system.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
+from rbpipe.timing import STALL_REPORT_S, STOP_GRACE_S, SUPERVISE_POLL_S, TERM_GRACE_S
 from rbpipe.tracking.checkpoint import load_checkpoint
 from rbpipe.tracking.memory import record_peak, session_peaks
 from rbpipe.tracking.progress import LEARNER_READY, STARTING, phase, postfix, progress_bar
@@ -50,14 +51,6 @@ from rbpipe.workers.collector import collector_entry
 from rbpipe.workers.learner import learner_entry
 from rbpipe.workers.serve import Service
 from rbpipe.workers.sites import WorkerSite, open_site
-
-SUPERVISE_POLL_S = 0.1  # the supervisor's look at the service: a finished run is wound down this soon after
-STALL_REPORT_S = 60.0  # say where the run waits when the learner makes no step for this long
-#: A stop's bounded waits (docs/DESIGN.md, "Stopping"): workers get STOP_GRACE_S to finish their step (a second
-#: signal skips it), then SIGTERM (the learner abandons its step where safe and checkpoints) and TERM_GRACE_S
-#: (a checkpoint of a large model takes seconds to write), then SIGKILL (a third signal skips to it)
-STOP_GRACE_S = 15.0
-TERM_GRACE_S = 30.0
 
 
 @dataclass

@@ -30,6 +30,7 @@ from rbpipe.storage import collate_identity
 from rbpipe.system import fault_hooks
 from rbpipe.system.procs import run_worker, settle_heap
 from rbpipe.system.step_stop import StepAbandoned, StepStop
+from rbpipe.timing import WAIT_POLL_S
 from rbpipe.tracking.background import BackgroundJobs, snapshot
 from rbpipe.tracking.checkpoint import load_checkpoint, save_checkpoint
 from rbpipe.tracking.memory import PeakMemory
@@ -37,9 +38,6 @@ from rbpipe.tracking.metrics_log import MetricsSink, truncate_metrics
 from rbpipe.tracking.progress import LEARNER_COMPILING, LEARNER_READY
 from rbpipe.trajectory import GROUP_KEY, PROMPT_TOKENS_KEY, RESPONSE_TOKENS_KEY, REWARD_KEY, VERSION_KEY
 
-#: How often a learner waiting for groups looks at the store again: a check costs ~0.1 ms (one fstat when
-#: nothing was committed), and at the limiter's 5 ms a step whose groups came 0.5 ms late lost 5 ms
-WAIT_POLL_S = 0.001
 #: weights + Adam states above this are checkpointed without a background copy (the copy doubles their memory)
 SNAPSHOT_LIMIT_BYTES = 256e6
 

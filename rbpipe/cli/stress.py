@@ -30,6 +30,7 @@ from rbpipe.system.procs import (
     release_owned_dir,
     sweep_orphaned_socket_dirs,
 )
+from rbpipe.timing import STARTUP_TIMEOUT_S
 from rbpipe.trajectory import GROUP_KEY, RAGGED_KEYS, REWARD_KEY, make_trajectory
 
 UID_KEY = "uid"
@@ -37,9 +38,6 @@ UID_KEY = "uid"
 #: lock is held by the run: a run that was SIGKILLed leaves it, and the next run's sweep removes it.
 TMP_PREFIX = "rbpipe-stress-"
 PAYLOADS = ("small", "16x64", "tok1024")
-#: how long writers may take to come up (spawn a fresh interpreter, import torch) before the run is called hung;
-#: the stall timer (``stall_timeout``) only starts once every writer has handed over its first trajectory
-STARTUP_TIMEOUT_S = 120.0
 
 
 def check_stress_args(*, writers: int, trajectories: int, group_size: int | None, kill_rate: float,

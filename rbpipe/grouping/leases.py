@@ -24,9 +24,8 @@ import secrets
 import threading
 import time
 
-#: Seconds a lease lives without a renewal. Workers renew every third of it, so a worker has to miss two
-#: heartbeats in a row (a kill, a frozen host) before its claims and work units are handed on.
-LEASE_TTL_S = 6.0
+from rbpipe.timing import LEASE_TTL_S
+
 #: Environment variable that overrides :data:`LEASE_TTL_S` (read by the manager process when it starts).
 TTL_ENV = "RBPIPE_LEASE_TTL_S"
 

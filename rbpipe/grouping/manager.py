@@ -22,6 +22,7 @@ from multiprocess.reduction import ForkingPickler as _DillPickler
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.registry import TEMPORARY_STAGING, GroupRegistry, get_registry, join_problem
 from rbpipe.system.procs import MAIN_GUARD_HINT, die_with_parent, settle_heap, use_owned_socket_dir, worker_context
+from rbpipe.timing import OWNER_POLL_S
 
 _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
@@ -179,7 +180,6 @@ os.register_at_fork(after_in_child=_forget_connections)
 
 
 # -- the manager process: dies with its owner, leaves nothing behind ------------------------------------------
-OWNER_POLL_S = 0.25
 
 
 def _clean_up() -> None:

@@ -24,10 +24,8 @@ from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import RATE_LIMIT, STAGING
 from rbpipe.service.endpoint import REGISTRY_NAME, Attachment, attach
 from rbpipe.service.weights import SharedWeights
+from rbpipe.timing import RAY_TAKE_POLL_S
 from rbpipe.trajectory import GROUP_KEY, RAGGED_KEYS
-
-#: On Ray, a waiting ``take_many`` asks again after this long (its coordinator actor cannot hold a call open).
-RAY_TAKE_POLL_S = 0.02
 
 if TYPE_CHECKING:
     from rbpipe.service.ray import RayWeights

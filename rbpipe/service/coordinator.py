@@ -28,16 +28,11 @@ from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import PROMPTS, RATE_LIMIT
 from rbpipe.service.api import COORDINATOR_EXPOSED
 from rbpipe.service.journal import StateJournal
+from rbpipe.timing import MAX_TAKE_WAIT_S, STATS_CACHE_S
 
 #: learner fields a learner may report (all ints but ``phase``/``busy``): unknown names are refused
 LEARNER_FIELDS = ("step", "done", "phase", "consumed_groups", "stale_groups", "stale_trajectories",
                   "sample_blocked_ns", "start_step")  # start_step: the checkpoint step the learner started from
-
-
-#: Seconds the coordinator reuses the grouping counters it reads on every change (dropped groups move the band).
-STATS_CACHE_S = 0.05
-#: Longest a ``take_many`` waits for the band to move: a collector still checks for a stop request this often.
-MAX_TAKE_WAIT_S = 0.2
 
 
 class CachedStats:

@@ -113,7 +113,7 @@ def write_parameters(path: Path, model: torch.nn.Module) -> None:
         offset = 0
         for p in model.parameters():
             values = p.detach().reshape(-1).to("cpu", torch.float32).numpy()
-            view, at = memoryview(values).cast("B"), offset * 4
+            view, at = values.data.cast("B"), offset * 4
             while view:  # pwrite may write less than asked (a signal); the rest follows
                 written = os.pwrite(fd, view, at)
                 view, at = view[written:], at + written

@@ -82,7 +82,7 @@ def test_no_module_is_on_an_import_cycle(scope):
 #: The rooms of the package, bottom up: a room imports only rooms of lower layers (never one of its own layer,
 #: never one above). A room is a folder of ``rbpipe`` or a module at its root.
 LAYERS = (
-    ("rbpipe", "errors", "members", "rundir"),  # the package's lazy exports; nouns that import nothing of rbpipe
+    ("rbpipe", "errors", "members", "rundir", "timing"),  # lazy exports; nouns and constants importing no rbpipe
     ("trajectory", "system", "rate_limit"),  # the trajectory's keys, OS plumbing, the limiter
     ("storage", "grouping", "loss", "model", "tracking"),  # persist groups, decide them, train, sample, bookkeeping
     ("sampling", "buffer", "demo", "view"),  # what is built on them: the sampler, the buffer, the demo, the viewer

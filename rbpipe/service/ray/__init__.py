@@ -32,7 +32,6 @@ from __future__ import annotations
 from rbpipe.service.ray.actors import RayContext, RayProcess, parse_resources
 from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX
 from rbpipe.service.ray.coordinator import (
-           STATS_CACHE_S,
            CoordinatorHost,
            CoordinatorProxy,
            RayManager,
@@ -43,12 +42,12 @@ from rbpipe.service.ray.coordinator import (
 from rbpipe.service.ray.session import LOOPBACK_ENV, RaySession, use_loopback
 from rbpipe.service.ray.shards import (
            LOGGED,
-           NOTIFY_S,
-           RESTART_WAIT_S,
            ShardedRegistry,
            ShardHost,
            shard_of,
 )
+from rbpipe.timing import NOTIFY_S, RESTART_WAIT_S
+from rbpipe.timing import RAY_STATS_CACHE_S as STATS_CACHE_S
 
 __all__ = [
            "COORDINATOR_NAME",

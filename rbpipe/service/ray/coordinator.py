@@ -15,15 +15,11 @@ from rbpipe.grouping.leases import LeaseAuthority
 from rbpipe.rundir import SHARD_LOGS
 from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
 from rbpipe.service.ray.session import init_ray, use_loopback
-from rbpipe.service.ray.shards import RESTART_WAIT_S, RegistryAwaitsOptions, ShardedRegistry, ShardHost
+from rbpipe.service.ray.shards import RegistryAwaitsOptions, ShardedRegistry, ShardHost
 from rbpipe.system import fault_hooks
+from rbpipe.timing import CLOSE_STATS_WAIT_S, RESTART_WAIT_S, STATS_WAIT_S
+from rbpipe.timing import RAY_STATS_CACHE_S as STATS_CACHE_S
 
-#: Seconds the coordinator caches the grouping counters it reads on every change (dropped groups move the band).
-STATS_CACHE_S = 0.25
-#: Seconds the coordinator waits for the shards' counters before it goes on with the last ones.
-STATS_WAIT_S = 0.05
-#: ... when it saves the run's final counters (its close): a shard Ray restarts on a cold worker takes seconds.
-CLOSE_STATS_WAIT_S = 20.0
 #: The shards' log directory of a service started with a random prefix (:meth:`RayManager.start`).
 _SESSION_LOGS = re.compile(SHARD_LOGS.format(prefix="[0-9a-f]{8}-"))
 

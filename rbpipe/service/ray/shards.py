@@ -24,12 +24,7 @@ from rbpipe.grouping.registry import shard_of, sum_stats
 from rbpipe.rundir import SHARD_LOG
 from rbpipe.service.ray.common import COORDINATOR_NAME, _get, _Proxy, _ray
 from rbpipe.service.ray.shardlog import LOGGED, call_record, open_record, options_fingerprint, read_log
-
-#: Seconds between a shard's batched notices of appends to the coordinator (a unit is done when its samples
-#: were handed over: the coordinator learns it this much later).
-NOTIFY_S = 0.02
-#: Seconds a caller waits for a shard that Ray restarts (it replays its log) before the run fails.
-RESTART_WAIT_S = 60.0
+from rbpipe.timing import NOTIFY_S
 
 
 class RegistryAwaitsOptions(LookupError):

@@ -36,7 +36,6 @@ Size (over 500 lines): the staging area and its owner locks, which its sweep rea
 from __future__ import annotations
 
 import atexit
-import fcntl
 import itertools
 import json
 import os
@@ -59,6 +58,7 @@ from rbpipe.grouping.codec import (  # noqa: F401 - re-exported: the staging mod
     is_plain,
     td_from_leaves,
 )
+from rbpipe.system.owner_lock import NO_LOCK_FILE, create_held, take_if_free
 from rbpipe.system.procs import shared_memory_dir
 
 
@@ -374,7 +374,6 @@ class Staging:
 
 OWNER_SUFFIX = ".owner"
 _OWNER_FILE = re.compile(r"\.([0-9]+-[0-9a-f]{8})\.owner")
-_NO_LOCK_FILE = -1
 
 
 def _lock_path(directory: str) -> str:
@@ -389,20 +388,8 @@ def _new_owned_dir(root: str, pid: int) -> str:
     for _ in range(16):
         prefix = f"{pid}-{uuid.uuid4().hex[:8]}"
         lock = os.path.join(root, f".{prefix}{OWNER_SUFFIX}")
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fresh = os.fstat(fd).st_nlink > 0  # not unlinked by a sweep between its creation and the lock
-        except BlockingIOError:  # a sweep took it in that instant: try another name
-            fresh = False
-        except BaseException:
-            os.close(fd)
-            raise
-        if not fresh:
-            os.close(fd)
+        fd = create_held(lock)  # None: taken, or swept between its creation and the lock: another name
+        if fd is None:
             continue
         try:
             os.mkdir(os.path.join(root, prefix), 0o700)
@@ -420,26 +407,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _try_lock(path: str) -> int | None:
-    """An fd holding ``path``'s lock when nobody else holds it (its owner is gone), None while its owner lives
-    (or another sweep is at it), ``_NO_LOCK_FILE`` when there is no lock file."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return _NO_LOCK_FILE
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.fstat(fd).st_nlink > 0:
-            return fd
-    except BlockingIOError:
-        pass
-    except BaseException:
-        os.close(fd)
-        raise
-    os.close(fd)  # held by its owner, or unlinked by another sweep
-    return None
 
 
 def _release_own(path: str) -> bool:
@@ -470,10 +437,10 @@ def _sweep(root: str) -> int:
         if path in _LOCKS:  # this process's own
             continue
         lock = _lock_path(path)
-        fd = _try_lock(lock)
+        fd = take_if_free(lock)
         if fd is None:  # its owner lives, whatever its PID says here
             continue
-        if fd == _NO_LOCK_FILE:  # made by an rbpipe without lock files: its PID is all there is
+        if fd == NO_LOCK_FILE:  # made by an rbpipe without lock files: its PID is all there is
             if not pid_alive(int(name.split("-", 1)[0])):
                 n += _remove_free_files(path)
             continue
@@ -487,8 +454,8 @@ def _sweep(root: str) -> int:
         match = _OWNER_FILE.fullmatch(entry.name)
         if match is None or match.group(1) in dirs:
             continue
-        fd = _try_lock(entry.path)
-        if fd is None or fd == _NO_LOCK_FILE:
+        fd = take_if_free(entry.path)
+        if fd is None or fd == NO_LOCK_FILE:
             continue
         try:
             if not os.path.isdir(os.path.join(root, match.group(1))):

@@ -8,7 +8,6 @@ exits, so there is no stale lock to take over: whoever gets the ``flock`` holds 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 from rbpipe.errors import StoreLockedError
+from rbpipe.system.owner_lock import still_at, try_flock
 
 LOCK_FILE = ".lock"
 
@@ -57,13 +57,11 @@ class WriterLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(20):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not try_flock(fd):
                 holder = self._holder(fd)
                 os.close(fd)
-                raise StoreLockedError(self._refusal(holder)) from None
-            if not self._still_at_path(fd):  # its holder released it (and removed the file) meanwhile
+                raise StoreLockedError(self._refusal(holder))
+            if not still_at(self.path, fd):  # its holder released it (and removed the file) meanwhile
                 os.close(fd)
                 continue
             me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
@@ -72,16 +70,6 @@ class WriterLock:
             self._fd, self.held = fd, True
             return self
         raise StoreLockedError(f"could not take the writer lock {str(self.path)!r}: it keeps changing hands")
-
-    def _still_at_path(self, fd: int) -> bool:
-        """Whether ``fd`` is the file now at the lock's path: a holder deletes the file when it lets go, and a
-        lock taken on the deleted file would lock nothing that the next process opens."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return False
-        mine = os.fstat(fd)
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _refusal(self, holder: dict | None) -> str:
         store = str(self.path.parent)
@@ -95,7 +83,7 @@ class WriterLock:
 
     def release(self) -> None:
         if self.held:
-            self.path.unlink(missing_ok=True)  # while still locked: see _still_at_path
+            self.path.unlink(missing_ok=True)  # while still locked: see owner_lock.still_at
             os.close(self._fd)
             self._fd, self.held = -1, False
 

@@ -130,21 +130,18 @@ def _new_socket_dir(prefix: str = SOCKET_DIR_PREFIX) -> str:
     """A temporary directory whose ``.owner`` file this process keeps ``flock``-ed for its life. A lock, not a
     PID, says whether its owner lives: the kernel releases it however the process ends, and a process in
     another PID namespace sharing /tmp holds it just the same."""
-    import fcntl
     import tempfile
+
+    from rbpipe.system.owner_lock import create_held
 
     for _ in range(16):
         path = tempfile.mkdtemp(prefix=prefix)
-        try:
-            fd = os.open(os.path.join(path, _SOCKET_DIR_OWNER), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                         0o600)
-        except FileNotFoundError:  # a sweep removed it before its lock existed: take another
-            continue
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if os.fstat(fd).st_nlink > 0 and os.path.isdir(path):  # not swept between creation and lock
+        fd = create_held(os.path.join(path, _SOCKET_DIR_OWNER))  # None: swept before or while it was locked
+        if fd is not None and os.path.isdir(path):
             _OWNED_SOCKET_DIRS[path] = fd
             return path
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     raise OSError("could not create a temporary directory for this process's sockets")
 
 
@@ -192,9 +189,10 @@ def sweep_orphaned_socket_dirs(root: str | os.PathLike[str] | None = None, prefi
     """Remove the socket directories (:func:`use_owned_socket_dir`; ``prefix``: other :func:`owned_temp_dir`
     ones) in ``root`` (the temporary directory) whose owner lock is free: their process is gone (a SIGKILL skips
     every clean-up). Returns how many."""
-    import fcntl
     import shutil
     import tempfile
+
+    from rbpipe.system.owner_lock import NO_LOCK_FILE, take_if_free
 
     n = 0
     try:
@@ -206,13 +204,10 @@ def sweep_orphaned_socket_dirs(root: str | os.PathLike[str] | None = None, prefi
                 or not e.is_dir(follow_symlinks=False):
             continue
         try:
-            fd = os.open(os.path.join(e.path, _SOCKET_DIR_OWNER), os.O_RDWR | os.O_CLOEXEC)
-        except OSError:  # being created (no lock yet), or another user's
+            fd = take_if_free(os.path.join(e.path, _SOCKET_DIR_OWNER))
+        except OSError:  # another user's
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # its owner lives
-            os.close(fd)
+        if fd is None or fd == NO_LOCK_FILE:  # its owner lives, or it is being created (no lock yet)
             continue
         try:
             shutil.rmtree(e.path, ignore_errors=True)

@@ -29,7 +29,7 @@ from rbpipe.model.task_spec import check_task_fits
 from rbpipe.rundir import CONFIG, METRICS, PID_STARTS, PIDS, PLOT, RUN, STORE, SUMMARY
 from rbpipe.service.clients import check_store_path, open_run_store
 from rbpipe.service.engine import ENGINES, LOCAL
-from rbpipe.storage import WriterLock
+from rbpipe.storage import StoreLock
 from rbpipe.storage.catalog import repair_catalog
 from rbpipe.system.fsutil import atomic_write_json
 from rbpipe.system.procs import quiet_killed_worker_trackers, same_process_alive, start_time, worker_context
@@ -259,7 +259,7 @@ def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progr
                               "`python bench/grouping.py` and `rbpipe stress --grouping torchrl`")
         check_task_and_model(cfg, local_devices=engine == LOCAL)  # before the run dir or the store is touched
         store = store.resolve()
-        lock = WriterLock(store)
+        lock = StoreLock(store)
         lock.acquire()
         try:
             storage = open_run_store(cfg, store)
@@ -278,7 +278,7 @@ def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progr
                               engine=engine, ray=ray or {})
 
 
-def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: WriterLock, resumed: bool,
+def _launch_locked(cfg: RunConfig, run_dir: Path, store: Path, storage, lock: StoreLock, resumed: bool,
                    stop_request: StopRequest, *, progress: bool, log, listen=None,
                    spawn_workers: bool = True, engine: str = "local", ray: dict | None = None) -> dict[str, Any]:
     """The run itself, once the store's writer lock is held: a :class:`Service` plus (``rbpipe run``) the

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 # without torch, whose import alone costs seconds.
 _LAZY = {"ArrowStorage": "rbpipe.storage.arrow", "ZarrStorage": "rbpipe.storage.zarr_storage",
          "GroupStorage": "rbpipe.storage.base", "GroupWriter": "rbpipe.storage.writer",
-         "WriterLock": "rbpipe.storage.lock", "read_catalog": "rbpipe.storage.catalog",
-         "catalog_table": "rbpipe.storage.catalog",
+         "StoreLock": "rbpipe.storage.lock", "WriterLock": "rbpipe.storage.lock",
+         "read_catalog": "rbpipe.storage.catalog", "catalog_table": "rbpipe.storage.catalog",
          "inspect_store": "rbpipe.storage.catalog", "export_zarr": "rbpipe.storage.export"}
 
 
@@ -53,6 +53,6 @@ def group_buffer(storage: GroupStorage | str | os.PathLike, **kwargs):
     return ReplayBuffer(storage=storage, **kwargs)
 
 
-__all__ = ["ArrowStorage", "ZarrStorage", "GroupWriter", "WriterLock", "open_storage", "read_catalog",
+__all__ = ["ArrowStorage", "ZarrStorage", "GroupWriter", "StoreLock", "open_storage", "read_catalog",
            "catalog_table", "inspect_store", "export_zarr", "FORMAT_VERSION", "GroupStorage", "collate_identity",
            "group_buffer"]

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from rbpipe.errors import StoreError
 from rbpipe.storage.backend import Backend, writer_id
-from rbpipe.storage.columns import Column, GroupColumns, Schema, empty_columns, slice_columns, take_columns
+from rbpipe.storage.columns import Column, ColumnSet, GroupColumns, empty_columns, slice_columns, take_columns
 from rbpipe.storage.format import SEGMENTS_DIR
 from rbpipe.storage.retention import BLOCK, owner_alive, roll_bytes
 from rbpipe.system.fsutil import file_lock, write_file
@@ -34,7 +34,7 @@ def _pa_type(c: Column) -> pa.DataType:
     return pa.from_numpy_dtype(c.np_dtype)
 
 
-def arrow_schema(schema: Schema) -> pa.Schema:
+def arrow_schema(schema: ColumnSet) -> pa.Schema:
     """The Arrow schema of a store's segments (FORMAT.md, "Arrow segments")."""
     fields = []
     for c in schema.columns:
@@ -52,7 +52,7 @@ def arrow_schema(schema: Schema) -> pa.Schema:
     return pa.schema(fields, metadata={"rbpipe.schema": json.dumps(schema.to_json())})
 
 
-def to_record_batch(cols: GroupColumns, schema: Schema, pschema: pa.Schema) -> pa.RecordBatch:
+def to_record_batch(cols: GroupColumns, schema: ColumnSet, pschema: pa.Schema) -> pa.RecordBatch:
     """A group's columns as one record batch, built from their buffers without copies or per-array
     validation (the types come from ``pschema``; ``pa.array`` + ``from_arrays`` cost a third of a write)."""
     arrays = []
@@ -143,7 +143,7 @@ class ArrowBackend(Backend):
         self._swept = True  # no segment lost its last live group since the last sweep
         self._evictions = 0
 
-    def on_schema(self, schema: Schema) -> None:
+    def on_schema(self, schema: ColumnSet) -> None:
         super().on_schema(schema)
         self._pschema = arrow_schema(schema)
 

@@ -30,7 +30,7 @@ from torchrl.data.replay_buffers.storages import Storage
 from rbpipe.errors import SchemaError, StaleReadError, StoreError
 from rbpipe.storage.backend import Backend, write_error
 from rbpipe.storage.collate import register_default_collate
-from rbpipe.storage.columns import NestedKey, Schema, from_storage_np, key_tuple, take_ragged
+from rbpipe.storage.columns import ColumnSet, NestedKey, from_storage_np, key_tuple, take_ragged
 from rbpipe.storage.decoder import check_layout, choose_layout, concat_parts, to_tensordict
 from rbpipe.storage.format import FORMAT_VERSION, create_or_open
 from rbpipe.storage.gather import concat_tables, whole_groups
@@ -159,7 +159,7 @@ class GroupStorage(Storage):
         return choose_layout(self._layout_asked, self._ledger.schema)
 
     @property
-    def schema(self) -> Schema | None:
+    def schema(self) -> ColumnSet | None:
         self._refresh()
         return self._schema
 
@@ -192,7 +192,7 @@ class GroupStorage(Storage):
             self._after_fork()
         ledger = self._ledger
         ledger.refresh()
-        schema = ledger.schema if ledger.schema is not None else Schema.infer(td, self.ragged_keys)
+        schema = ledger.schema if ledger.schema is not None else ColumnSet.infer(td, self.ragged_keys)
         cols = schema.split(td)  # raises SchemaError before anything is written, the first group's schema too
         try:
             first = ledger.schema is None

@@ -304,7 +304,7 @@ def check_storable(columns: Sequence[Column]) -> None:
                     "not tell names apart); rename one of them")
 
 
-class Schema:
+class ColumnSet:
     """Columns of a store. ``infer`` builds it from the first write; ``split`` checks later writes."""
 
     def __init__(self, columns: Sequence[Column]):
@@ -323,11 +323,11 @@ class Schema:
         return [c.to_json() for c in self.columns]
 
     @classmethod
-    def from_json(cls, cols: list[dict]) -> Schema:
+    def from_json(cls, cols: list[dict]) -> ColumnSet:
         return cls([Column.from_json(c) for c in cols])
 
     @classmethod
-    def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> Schema:
+    def infer(cls, td: TensorDictBase, ragged_keys: Sequence[NestedKey] = ()) -> ColumnSet:
         """The schema of a store's first group; refuses (SchemaError) what either backend could never store."""
         if check_group(td).ndim != 1 or td.shape[0] < 1:
             raise SchemaError(f"a group must be a TensorDict with one batch dimension of at least one member, got "

@@ -25,7 +25,7 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 
 from rbpipe.errors import SchemaError, StoreError
 from rbpipe.members import jagged_tensor
-from rbpipe.storage.columns import Schema, decode_texts, from_storage_np, row_elements
+from rbpipe.storage.columns import ColumnSet, decode_texts, from_storage_np, row_elements
 from rbpipe.storage.gather import pad_ragged
 
 RAGGED_LAYOUTS = ("rows", "padded", "nested")
@@ -36,7 +36,7 @@ def check_layout(layout: str | None) -> None:
         raise StoreError(f"ragged_layout must be one of {', '.join(map(repr, RAGGED_LAYOUTS))}, got {layout!r}")
 
 
-def choose_layout(asked: str | None, schema: Schema | None) -> str:
+def choose_layout(asked: str | None, schema: ColumnSet | None) -> str:
     """The layout reads use: as asked, else ``"nested"`` when every ragged field is 1-D and real (the one
     that samples at memmap speed: one values tensor and offsets per field), else ``"rows"``."""
     if asked is not None:
@@ -46,7 +46,7 @@ def choose_layout(asked: str | None, schema: Schema | None) -> str:
     return "nested" if all(c.ndim == 1 and not c.complex for c in schema.columns if c.ragged) else "rows"
 
 
-def to_tensordict(schema: Schema, layout: str, data: dict[Any, Any], m: int) -> TensorDictBase:
+def to_tensordict(schema: ColumnSet, layout: str, data: dict[Any, Any], m: int) -> TensorDictBase:
     """The ``m`` rows whose columns are ``data`` as a TensorDict of batch size ``[m]`` (see the module doc)."""
     cols = schema.columns
     fixed = {c.key: from_storage_np(data[c.key], c.dtype) for c in cols if not c.ragged}

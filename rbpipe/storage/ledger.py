@@ -127,9 +127,9 @@ class Ledger:
         for rec in records:
             kind = rec.get("t")
             if kind == "schema" and self.schema is None:
-                from rbpipe.storage.columns import Schema  # torch: only where a store is opened for data
+                from rbpipe.storage.columns import ColumnSet  # torch: only where a store is opened for data
 
-                self.schema = Schema.from_json(rec["schema"])
+                self.schema = ColumnSet.from_json(rec["schema"])
                 ev.on_schema(self.schema)
             elif kind == "group":
                 if self.schema is None:

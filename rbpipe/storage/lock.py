@@ -1,4 +1,4 @@
-"""``WriterLock``: one launcher per store. The lock is an ``flock`` on ``STORE/.lock``, not the pid written in it.
+"""``StoreLock``: one launcher per store. The lock is an ``flock`` on ``STORE/.lock``, not the pid written in it.
 
 A pid says nothing once its process is gone (another process may get it) and nothing across PID namespaces,
 and taking over a "stale" pid-file lock is a race between everyone who found it stale: three processes at
@@ -20,7 +20,7 @@ from rbpipe.system.owner_lock import still_at, try_flock
 LOCK_FILE = ".lock"
 
 
-class WriterLock:
+class StoreLock:
     """Exclusive writer lock of a store directory (``STORE/.lock``).
 
     ``acquire()`` opens (or creates) the lock file and takes an exclusive, non-blocking ``flock`` on it, then
@@ -31,7 +31,7 @@ class WriterLock:
     Examples:
         >>> import tempfile
         >>> store = tempfile.mkdtemp()
-        >>> with WriterLock(store) as lock:
+        >>> with StoreLock(store) as lock:
         ...     lock.held
         True
         >>> import shutil; shutil.rmtree(store)
@@ -51,9 +51,9 @@ class WriterLock:
             return None
         return holder if isinstance(holder, dict) else None
 
-    def acquire(self) -> WriterLock:
+    def acquire(self) -> StoreLock:
         if self.held:
-            raise StoreLockedError(f"this WriterLock already holds {str(self.path)!r}")
+            raise StoreLockedError(f"this StoreLock already holds {str(self.path)!r}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(20):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -87,8 +87,13 @@ class WriterLock:
             os.close(self._fd)
             self._fd, self.held = -1, False
 
-    def __enter__(self) -> WriterLock:
+    def __enter__(self) -> StoreLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+#: The name before issue 34 ("writer" also names torchrl's ``Writer``, writer ids and writer leases): kept for code
+#: that imports it.
+WriterLock = StoreLock

@@ -15,7 +15,7 @@ from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.samplers import PromptGroupSampler, RandomSampler, SamplerWithoutReplacement
 
 from rbpipe.errors import StoreLockedError
-from rbpipe.storage import ArrowStorage, GroupWriter, WriterLock, ZarrStorage, collate_identity
+from rbpipe.storage import ArrowStorage, GroupWriter, StoreLock, ZarrStorage, collate_identity
 from rbpipe.storage.commitlog import decode
 from rbpipe.trajectory import RAGGED_KEYS
 
@@ -128,21 +128,21 @@ def test_sampling_after_compaction_and_eviction_returns_the_live_rows(tmp_path):
 
 
 def test_writer_lock(tmp_path):
-    lock = WriterLock(tmp_path)
+    lock = StoreLock(tmp_path)
     with lock:
         holder = json.loads((tmp_path / ".lock").read_text())
         assert holder["pid"] == os.getpid()
         with pytest.raises(StoreLockedError, match=str(os.getpid())):
-            WriterLock(tmp_path).acquire()
+            StoreLock(tmp_path).acquire()
     assert not (tmp_path / ".lock").exists()
     # a pid in the file is not a lock: only a process holding its flock is (pid 1 is alive, and holds nothing)
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": socket.gethostname()}))
-    with WriterLock(tmp_path):
+    with StoreLock(tmp_path):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     # a lock left by a dead process is locked again
     import subprocess
     p = subprocess.Popen(["true"])
     p.wait()
     (tmp_path / ".lock").write_text(json.dumps({"pid": p.pid, "host": socket.gethostname()}))
-    with WriterLock(tmp_path):
+    with StoreLock(tmp_path):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()

@@ -17,7 +17,7 @@ from torchrl.data import ReplayBuffer
 from rbpipe.errors import SchemaError, StoreError
 from rbpipe.storage import ArrowStorage, ZarrStorage, collate_identity, open_storage, read_catalog
 from rbpipe.storage.catalog import repair_catalog
-from rbpipe.storage.columns import Schema
+from rbpipe.storage.columns import ColumnSet
 from rbpipe.storage.format import COMMIT_LOG
 
 BACKENDS = [ArrowStorage, ZarrStorage]
@@ -183,7 +183,7 @@ def test_accepted_schemas_have_distinct_physical_names(keys, ragged):
         return
     declared = [k for i, k in enumerate(keys) if i in ragged]
     try:
-        schema = Schema.infer(td, declared)
+        schema = ColumnSet.infer(td, declared)
     except SchemaError:
         return
     names = []

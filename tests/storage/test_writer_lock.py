@@ -16,7 +16,7 @@ import multiprocess
 import pytest
 
 from rbpipe.errors import StoreLockedError
-from rbpipe.storage import WriterLock
+from rbpipe.storage import StoreLock
 
 
 def _contender(store: str, role: str, start, results, done) -> None:
@@ -41,7 +41,7 @@ def _contender(store: str, role: str, start, results, done) -> None:
         lock_module.os.rename = slow_rename  # (the module's os is the os module: this process only)
     start.wait(30)
     time.sleep({"A": 0.3, "B": 0.0, "C": 1.0}[role])
-    lock = WriterLock(store)
+    lock = StoreLock(store)
     try:
         lock.acquire()
     except StoreLockedError as err:
@@ -92,16 +92,16 @@ def test_three_processes_taking_over_a_dead_holders_lock_end_with_one_holder(tmp
 
 @pytest.mark.timeout(60)
 def test_a_holder_in_another_process_is_named_and_its_kill_frees_the_lock(tmp_path):
-    code = ("import sys, time; from rbpipe.storage import WriterLock; WriterLock(sys.argv[1]).acquire(); "
+    code = ("import sys, time; from rbpipe.storage import StoreLock; StoreLock(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(StoreLockedError, match=f"locked by pid {holder.pid} on host"):
-            WriterLock(tmp_path).acquire()
+            StoreLock(tmp_path).acquire()
         holder.send_signal(signal.SIGKILL)
         holder.wait(30)
-        with WriterLock(tmp_path) as lock:  # the kernel released it with the process: no stale lock to judge
+        with StoreLock(tmp_path) as lock:  # the kernel released it with the process: no stale lock to judge
             assert lock.held and json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     finally:
         if holder.poll() is None:

@@ -94,3 +94,32 @@ def test_rollout_importance_sampling_is_on_by_default_in_a_run_and_in_the_librar
     args = parser.parse_args(["run", *argv])
     assert run_config(args, explicit_options(parser.run_parser, argv)).loss_config().rollout_is == level
     assert RunConfig().loss_config().rollout_is == "token"
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_the_parser_states_runconfigs_defaults_and_no_others(command):
+    """Issue 34: ``rbpipe run``/``serve`` and ``RunConfig`` (with ``LossConfig``) cannot drift apart: an option
+    without a value given gives the library's default (the parser keeps literal defaults so that ``rbpipe --help``
+    imports no torch; this test is what ties them)."""
+    import dataclasses
+
+    from rbpipe.config import RunConfig
+    from rbpipe.loss.config import LossConfig
+
+    parser = build_parser()
+    args = parser.parse_args([command])
+    run_defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
+    loss_defaults = {f.name: f.default for f in dataclasses.fields(LossConfig)}
+    checked = []
+    for dest, value in vars(args).items():
+        if value is None or dest in ("command", "steps", "target_reward"):
+            continue  # None: "the library decides"; steps and the target: resolved together (tested above)
+        if dest in run_defaults:
+            assert value == run_defaults[dest], dest
+        elif dest in loss_defaults:
+            assert value == loss_defaults[dest], dest
+        else:
+            continue
+        checked.append(dest)
+    assert {"collectors", "grpo_size", "lr", "max_new_tokens", "groups_per_step", "reward_timeout", "loss",
+            "kl_coef", "loss_agg_mode", "rollout_is_mode"} <= set(checked)

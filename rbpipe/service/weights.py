@@ -1,7 +1,7 @@
 """Publish the learner's weights to collectors through a memory-mapped file and a version counter.
 
-``torch.from_file(..., shared=True)`` maps the same pages in every process, so publishing is one memcpy
-and needs no pickling and no process-library primitive (stdlib and ``multiprocess`` alike see a path).
+``torch.from_file(..., shared=True)`` maps the same pages in every reader, so publishing is one write of the
+vector and needs no pickling and no process-library primitive (stdlib and ``multiprocess`` alike see a path).
 A seqlock (counter odd while writing) lets readers detect and retry a torn copy without a lock that a
 killed learner could leave held.
 

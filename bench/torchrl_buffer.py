@@ -99,6 +99,8 @@ def bench_ray(writers: int, n: int, chunk: int, prompt_tokens: int, run: int) ->
     from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer
     from torchrl.objectives.llm import MCAdvantage
 
+    from rbpipe.torchrl_compat.ray_buffer import close_ray_replay_buffer
+
     rb = RayReplayBuffer(storage=partial(LazyStackStorage, (writers * (n + chunk)) * 2),
                          transform_factory=partial(MCAdvantage, grpo_size=GRPO_SIZE), batch_size=GRPO_SIZE)
     task = ray.remote(num_cpus=0)(_write)
@@ -106,7 +108,7 @@ def bench_ray(writers: int, n: int, chunk: int, prompt_tokens: int, run: int) ->
     # `_futures_lock` RayReplayBuffer never sets); its client() is the picklable writer handle
     clocks = ray.get([task.remote(rb.client(), w, writers, n, chunk, prompt_tokens, run) for w in range(writers)])
     rows = len(rb)
-    rb.shutdown()
+    close_ray_replay_buffer(rb)  # not rb.shutdown(): a killed actor leaves its semaphores in /dev/shm
     return _result("RayReplayBuffer", writers, n, clocks, rows)
 
 

@@ -12,6 +12,7 @@ import torch
 from tensordict import set_list_to_stack
 
 import rbpipe
+from rbpipe.torchrl_compat.ray_buffer import close_ray_replay_buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torchrl_handle.llm_stack import by_member, interleaved, synthetic_steps  # noqa: E402
@@ -74,17 +75,5 @@ def test_same_groups_and_advantages_as_torchrls_ray_replay_buffer(ray_cluster, t
                 assert got[key][1] == pytest.approx(advantage, abs=1e-6)
         finally:
             rb.close()
-            _terminate_gracefully(reference)
+            close_ray_replay_buffer(reference)  # a clean exit: a killed actor leaves 4 semaphores in /dev/shm
 
-
-def _terminate_gracefully(buffer) -> None:
-    """End ``RayReplayBuffer``'s actor by a clean exit before ``shutdown()``'s ``ray.kill``: killed, the actor
-    leaves the named semaphores of its buffer's locks in /dev/shm (4 per buffer, measured); exiting, its process
-    unlinks them."""
-    import ray
-
-    try:
-        ray.get(buffer._rb.__ray_terminate__.remote(), timeout=60)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        pass  # the actor is gone (the call's answer is its exit)
-    buffer.shutdown()

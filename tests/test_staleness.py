@@ -5,7 +5,6 @@ queued)."""
 from __future__ import annotations
 
 import json
-import tempfile
 
 import pytest
 import torch
@@ -85,12 +84,12 @@ def test_freshest_first_is_a_stable_descending_order():
     assert freshest_first(torch.tensor([0, 3, 1, 3])).tolist() == [1, 3, 2, 0]
 
 
-def test_whole_group_units_give_each_prompt_to_one_collector():
+def test_whole_group_units_give_each_prompt_to_one_collector(tmp_path):
     cfg = RunConfig(grpo_size=4, groups_per_step=2, collectors=2, one_version_per_group=True)
     assert unit_size(cfg) == 4 and units_per_ask(cfg) == 1
     shared = RunConfig(grpo_size=4, groups_per_step=2, collectors=2)
     assert unit_size(shared) == 2 and units_per_ask(shared) == 2  # off: each prompt split, as before
-    coord = Coordinator(4, unit_size(cfg), RateLimiter.settings_for_run(cfg), tempfile.mkdtemp(), expect_collectors=2)
+    coord = Coordinator(4, unit_size(cfg), RateLimiter.settings_for_run(cfg), str(tmp_path), expect_collectors=2)
     try:
         a, b = LEASES.grant(), LEASES.grant()
         coord.join(a), coord.join(b)

@@ -15,7 +15,9 @@ import rbpipe
 from rbpipe.torchrl_compat.ray_buffer import close_ray_replay_buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torchrl_handle.llm_stack import by_member, interleaved, synthetic_steps  # noqa: E402
+from text_model import chat_model, chat_tokenizer  # noqa: E402
+from torchrl_handle import llm_stack  # noqa: E402
+from torchrl_handle.llm_stack import by_member, interleaved, make_env, make_policy, synthetic_steps  # noqa: E402
 
 
 def _write_then_sample(rb, steps):
@@ -77,3 +79,58 @@ def test_same_groups_and_advantages_as_torchrls_ray_replay_buffer(ray_cluster, t
             rb.close()
             close_ray_replay_buffer(reference)  # a clean exit: a killed actor leaves 4 semaphores in /dev/shm
 
+
+
+PROMPTS, REPEATS = 3, 2  # per collector: 3 prompts, each twice; a group (grpo_size 4) holds both collectors' halves
+
+
+def _collector_env(collector: int):
+    """The remote collector's env factory (runs in the Ray actor)."""
+    set_list_to_stack(True).set()
+    torch.set_num_threads(1)
+    return make_env(collector, PROMPTS, REPEATS, chat_tokenizer())
+
+
+def _collector_policy(seed: int):
+    """The remote collector's policy factory: the tiny chat model, sampling seeded per collector."""
+    torch.manual_seed(seed)
+    return make_policy(chat_model(), chat_tokenizer())
+
+
+@pytest.mark.timeout(240)
+def test_llm_collectors_as_ray_actors_write_through_the_handle(ray_cluster, tmp_path):
+    """The recipe's own wiring: ``LLMCollector.as_remote(...).remote(replay_buffer=rb, ...)``, one actor on each
+    worker node, each running torchrl's ``ChatEnv`` + ``TransformersWrapper(generate=True)``; the handle pickled
+    into both actors groups their halves in the driver's store."""
+    from functools import partial
+
+    import ray
+    import ray.cloudpickle
+    from torchrl.collectors.llm import LLMCollector
+
+    for module in (sys.modules[__name__], llm_stack, sys.modules["text_model"]):
+        ray.cloudpickle.register_pickle_by_value(module)  # the factories travel by value
+    with set_list_to_stack(True):
+        rb = rbpipe.replay_buffer(tmp_path / "store", grpo_size=2 * REPEATS, batch_size=4)
+        collectors = []
+        try:
+            for c, node in enumerate(("node_b", "node_c")):
+                remote = LLMCollector.as_remote({"num_cpus": 0, "resources": {node: 0.01}})
+                collectors.append(remote.remote(
+                    env=partial(_collector_env, c), policy_factory=partial(_collector_policy, 100 + c),
+                    dialog_turns_per_batch=REPEATS, total_dialog_turns=PROMPTS * REPEATS, replay_buffer=rb))
+            for _ in range(PROMPTS):  # one prompt's repeats per call; the buffer gets them, next() returns None
+                assert ray.get([c.next.remote() for c in collectors], timeout=150) == [None, None]
+            assert len(rb) == rb.write_count == 2 * PROMPTS * REPEATS
+            assert rb.grouping_stats()["queued_trajectories"] == 0
+            rows = rb[:]
+            groups: dict[str, set[bool]] = {}
+            for row in rows.unbind(0):
+                groups.setdefault(row["query"], set()).add("collector 0" in row["text", "prompt"])
+            assert len(groups) == PROMPTS and all(writers == {True, False} for writers in groups.values())
+            assert torch.isfinite(rows.get("advantage", as_padded_tensor=True)).all()
+        finally:
+            for c in collectors:
+                ray.get(c.shutdown.remote(), timeout=60)
+                ray.kill(c)
+            rb.close()

@@ -16,6 +16,11 @@ from torchrl.envs import StepCounter, Transform
 REWARDED = "aeiou"  # the reward: the share of the response's characters that are vowels
 
 
+def vowel_share(text: str) -> float:
+    """The reward of one response: the share of its characters that are in ``REWARDED``."""
+    return sum(c in REWARDED for c in text) / max(len(text), 1)
+
+
 def questions(n: int) -> list[dict]:
     return [{"query": f"what is {i} + {2 * i}?"} for i in range(n)]
 
@@ -32,7 +37,7 @@ class ShareReward(Transform):
         responses = tensordict.get(("text", "response"))
         texts = responses if isinstance(responses, list) else responses.tolist()
         texts = [texts] if isinstance(texts, str) else texts
-        values = [sum(c in REWARDED for c in t) / max(len(t), 1) for t in texts]
+        values = [vowel_share(t) for t in texts]
         next_tensordict.set("reward", torch.tensor(values, dtype=torch.float32).reshape(*next_tensordict.shape, 1, 1))
         return next_tensordict
 
@@ -89,14 +94,31 @@ def learner_actor(model, tokenizer):
 
 
 def with_sampling_log_probs(batch, actor):
-    """The batch with ``("log_probs", "full")`` of the policy that generated it (here the learner's own, before
-    its update: ``TransformersWrapper(generate=True)`` records the response's log-probs only, and the recipe
-    gets the full ones from vLLM)."""
+    """The batch with ``("log_probs", "full")`` of ``actor``, the policy that generated it (a copy of the
+    collectors' weights: ``TransformersWrapper(generate=True)`` records the response's log-probs only, and the
+    recipe gets the full ones from vLLM)."""
     with torch.no_grad():
         scored = actor(batch.select(("tokens", "full")).copy())
     for row, log_probs in zip(batch.unbind(0), scored.get(("log_probs", "full"), as_list=True), strict=True):
         row.set(("log_probs", "full"), log_probs)
     return batch
+
+
+def policy_reward(model, tokenizer, prompts: int, samples: int, max_new_tokens: int = 6, seed: int = 0) -> float:
+    """The mean reward of ``samples`` responses per prompt sampled from ``model`` (Hugging Face ``generate``, the
+    collectors' sampling settings). Each prompt's draws are seeded: two models compared with the same seed see the
+    same random numbers, so the difference measures the models, not the draws."""
+    rewards = []
+    for question in questions(prompts):
+        chat = [{"role": "system", "content": "collector 0"}, {"role": "user", "content": question["query"]}]
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(seed)
+            out = model.generate(ids, do_sample=True, max_new_tokens=max_new_tokens, num_return_sequences=samples,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        rewards += [vowel_share(t) for t in tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)]
+    return sum(rewards) / len(rewards)
 
 
 def synthetic_steps(prompts: int, per_prompt: int, seed: int, collector: int = 0, per_token: bool = False):

@@ -33,8 +33,6 @@ STATS_WAIT_S = 0.05
 CLOSE_STATS_WAIT_S = 20.0
 #: Longest a ``take_many`` waits for the band to move: a collector still checks for a stop request this often.
 MAX_TAKE_WAIT_S = 0.2
-#: On Ray, a waiting ``take_many`` asks again after this long (its coordinator actor cannot hold a call open).
-RAY_TAKE_POLL_S = 0.02
 #: Seconds between a Ray shard's batched notices of appends to the coordinator (a unit is done when its samples
 #: were handed over: the coordinator learns it this much later).
 NOTIFY_S = 0.02

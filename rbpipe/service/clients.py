@@ -24,7 +24,6 @@ from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import RATE_LIMIT, STAGING
 from rbpipe.service.endpoint import REGISTRY_NAME, Attachment, attach
 from rbpipe.service.weights import SharedWeights
-from rbpipe.timing import RAY_TAKE_POLL_S
 from rbpipe.trajectory import GROUP_KEY, RAGGED_KEYS
 
 if TYPE_CHECKING:
@@ -70,8 +69,7 @@ class _Attached:
         _check_same("model", None if model is None else str(Path(model).resolve()),
                     None if self.config.model is None else str(Path(self.config.model).resolve()), str(target))
         spec = self.attachment.endpoint["weights"]
-        self._on_ray = spec.get("engine") == "ray"
-        if self._on_ray:
+        if spec.get("engine") == "ray":
             from rbpipe.service.ray import RayWeights
 
             self._weights: SharedWeights | RayWeights = RayWeights(self.attachment.manager.coordinator_actor,
@@ -161,8 +159,7 @@ class CollectorClient(_Attached):
         hand them over in one :meth:`extend`); ``[]`` while the rate limit holds new prompts back.
 
         ``wait_s``: while it does, wait up to this long (0.2 s at most) for prompts to open before returning
-        ``[]``: the local service answers the moment the learner moves the band; on Ray, whose coordinator
-        actor answers one call at a time, the client sleeps a fraction of it and asks once more instead."""
+        ``[]``: the service (either engine) answers the moment the learner moves the band."""
         units = self._take_many(max_units, wait_s)
         if isinstance(units, dict):  # {"lease": "expired"}: frozen past the lease's time to live
             # drop the expired lease first: its heartbeat may not have noticed yet, and re-joining under the same
@@ -175,12 +172,7 @@ class CollectorClient(_Attached):
         return units
 
     def _take_many(self, max_units: int, wait_s: float) -> list[dict] | dict:
-        if wait_s <= 0 or not self._on_ray:
-            return self._call("take_many", self.lease, max_units, wait_s)
-        units = self._call("take_many", self.lease, max_units)
-        if units == []:
-            time.sleep(min(wait_s, RAY_TAKE_POLL_S))
-        return units
+        return self._call("take_many", self.lease, max_units, wait_s)
 
     def extend(self, trajectories) -> None:
         """Hand trajectories over: one (a [T] TensorDict), a [B, T] batch, or a list (e.g. a work unit's

@@ -167,8 +167,8 @@ class Coordinator:
 
         ``wait_s`` (at most :data:`MAX_TAKE_WAIT_S`): while the band is full, wait up to this long for the
         learner to move it (or a collector to leave) instead of returning ``[]`` at once: the collector starts
-        on the new prompts the moment they open, not a polling interval later. Only for callers served by a
-        thread of their own (the local service); the Ray coordinator actor answers one call at a time."""
+        on the new prompts the moment they open, not a polling interval later. Both engines serve calls on
+        threads of their own (the local manager one per connection, the Ray coordinator a threaded actor)."""
         if not LEASES.alive(lease) or lease not in self._ids:
             return {"lease": "expired"}
         deadline = time.monotonic() + min(max(float(wait_s), 0.0), MAX_TAKE_WAIT_S)

@@ -262,11 +262,11 @@ def _pid(actor):
 @pytest.mark.parametrize("restart", [False, True], ids=["down", "restarting"])
 def test_the_coordinator_answers_takes_and_renewals_while_a_shard_is_down(ray_cluster, tmp_path, restart,
                                                                           monkeypatch):
-    """The coordinator actor serves one call at a time, lease renewals too. Its take reads the grouping counters
-    (dropped groups move the band); with a shard down, or being restarted by Ray (calls to it wait until it is
-    back: seconds), it answers from the last counters it read instead of waiting: a renewal held up behind it
-    let live collectors' leases expire and their units be reissued while they still handed them over (a group
-    stored twice)."""
+    """The coordinator's take reads the grouping counters (dropped groups move the band) inside the lock every
+    take and report holds; with a shard down, or being restarted by Ray (calls to it wait until it is back:
+    seconds), it answers from the last counters it read instead of waiting. A take held up behind it (and, when
+    the actor served one call at a time, a renewal) let live collectors' units be reissued while they still
+    handed them over (a group stored twice)."""
     import ray
 
     from rbpipe.service.ray import RayManager
@@ -301,6 +301,43 @@ def test_the_coordinator_answers_takes_and_renewals_while_a_shard_is_down(ray_cl
                 time.sleep(0.2)
     finally:
         release.touch()
+        manager.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_waiting_take_on_ray_is_answered_when_the_learner_moves_the_band(ray_cluster, tmp_path):
+    """Push, not poll, on Ray as in the local manager: a collector's ``take_many`` held back by the band waits
+    in the (threaded) coordinator actor and is answered by the learner's report that moves the band.
+
+    No timing is asserted. Each try fills the band, sends a take that may wait (0.2 s at most, the service's
+    cap), then the report. The driver sends both to the actor in that order: an actor serving one call at a
+    time would run the report only after the take gave up, and every try would get ``[]``. A threaded one
+    answers the take with the prompt the report opened, unless the report came more than 0.2 s late, which a
+    later try repeats."""
+    import ray
+
+    from rbpipe.service.ray import RayManager
+
+    manager = RayManager.start(shards=1, ttl_s=30.0, prefix="longpoll-")
+    try:
+        band = {"samples_per_insert": 1.0, "error_buffer": 1.0, "min_size_to_sample": 1}
+        manager.get_registry("p", {"grpo_size": 2}, 1, {"path": str(tmp_path / "staging"), "temporary": False})
+        coordinator = manager.get_coordinator("p", {"samples_per_prompt": 2, "unit_size": 2, "limiter": band,
+                                                    "state_dir": str(tmp_path)})
+        actor = manager.coordinator_actor
+        token = ray.get(actor.lease.remote())
+        coordinator.join(token)
+        answered = []
+        for resolved in range(1, 11):
+            while coordinator.take_many(token, 1):  # open prompts until the band holds
+                pass
+            take = actor.call.remote("p", "take_many", (token, 1, 0.2), {})
+            coordinator.report_learner(consumed_groups=resolved)  # moves the band by one prompt
+            answered = ray.get(take, timeout=60)
+            if answered:
+                break
+        assert answered and len(answered) == 1 and answered[0]["samples"] == 2
+    finally:
         manager.shutdown()
 
 

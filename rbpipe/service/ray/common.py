@@ -7,6 +7,11 @@ from rbpipe.errors import ManagerDiedError
 
 COORDINATOR_NAME = "rbpipe-coordinator"
 SHARD_PREFIX = "rbpipe-shard-"
+#: Threads of the coordinator actor (Ray's ``max_concurrency``). Each collector holds at most one ask open
+#: (``take_many`` waits up to ``MAX_TAKE_WAIT_S`` for the band to move), so this many collectors wait at once
+#: before a call queues, for that long at most; the coordinator's state is locked as in the local manager,
+#: which serves each connection on a thread of its own.
+COORDINATOR_THREADS = 64
 
 
 def _ray():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.leases import LeaseAuthority
 from rbpipe.rundir import SHARD_LOGS
-from rbpipe.service.ray.common import COORDINATOR_NAME, SHARD_PREFIX, _get, _Proxy, _ray
+from rbpipe.service.ray.common import COORDINATOR_NAME, COORDINATOR_THREADS, SHARD_PREFIX, _get, _Proxy, _ray
 from rbpipe.service.ray.session import init_ray, use_loopback
 from rbpipe.service.ray.shards import RegistryAwaitsOptions, ShardedRegistry, ShardHost
 from rbpipe.system import fault_hooks
@@ -45,9 +46,10 @@ def remove_session_logs(log_dir: str | os.PathLike[str]) -> list[str]:
 
 class LastKnownStats:
     """The grouping counters as the coordinator actor reads them: the shards' answers when they are there within
-    ``STATS_WAIT_S``, else the last ones. The actor serves one call at a time, lease renewals included; a read
-    that waited for a shard Ray was restarting held every renewal up past the leases' time to live, so live
-    collectors' units were reissued while they still handed them over (a group stored twice).
+    ``STATS_WAIT_S``, else the last ones. A read happens inside the coordinator's lock, which every take and
+    report holds; a read that waited for a shard Ray was restarting (seconds) held them all up, and when the
+    actor still served one call at a time, lease renewals too: they came past the leases' time to live, so
+    live collectors' units were reissued while they still handed them over (a group stored twice).
 
     A ``fresh`` read (the coordinator's close, which saves the run's final counters) asks the shards anew, waits
     for a restarting one up to ``CLOSE_STATS_WAIT_S`` and sends it the registry's options if it lost them: the
@@ -58,8 +60,13 @@ class LastKnownStats:
         self._registry = registry
         self._last = registry.get_stats()  # waits for the shards once, when the coordinator is configured
         self._pending: list | None = None
+        self._lock = threading.Lock()  # the actor is threaded: one read of the shards at a time
 
     def get_stats(self, fresh: bool = False) -> dict:
+        with self._lock:
+            return self._read(fresh)
+
+    def _read(self, fresh: bool) -> dict:
         if fresh:
             self._pending = None
             try:
@@ -80,7 +87,13 @@ class LastKnownStats:
 
 
 class CoordinatorHost(LeaseAuthority):
-    """The service's coordinator (a Ray actor): work units, learner progress, the lease authority, the weights."""
+    """The service's coordinator (a Ray actor): work units, learner progress, the lease authority, the weights.
+
+    A threaded actor (``COORDINATOR_THREADS``), like the local manager that serves each connection on a thread:
+    a collector's ``take_many`` waits on the coordinator's condition for the band to move and is answered the
+    moment the learner reports, while renewals and reports go on beside it. What it holds is locked: each
+    :class:`~rbpipe.service.coordinator.Coordinator` by its own lock, the lease table by its, ``configure`` by
+    ``_configuring``; the weights' entry is replaced whole."""
 
     def __init__(self, ttl_s: float) -> None:
         import torch
@@ -91,6 +104,7 @@ class CoordinatorHost(LeaseAuthority):
         LEASES.ttl_s = float(ttl_s)  # the table the Coordinator checks: this process's, the authority
         self._leases = LEASES  # lease calls: LeaseAuthority's; granted here, adopted by the shards
         self.coordinators: dict[str, Any] = {}
+        self._configuring = threading.Lock()
         self.weights: tuple[int, int, list | None] = (0, 0, None)
 
     def pid(self) -> int:
@@ -99,7 +113,9 @@ class CoordinatorHost(LeaseAuthority):
     def configure(self, name: str, settings: dict, registry) -> None:
         from rbpipe.service.coordinator import Coordinator
 
-        if name not in self.coordinators:
+        with self._configuring:
+            if name in self.coordinators:
+                return
             self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(registry),
                                                   stats_cache_s=STATS_CACHE_S)
 
@@ -132,8 +148,9 @@ class CoordinatorHost(LeaseAuthority):
         return self.weights[0], self.weights[2]
 
     def close(self) -> None:
-        for coordinator in self.coordinators.values():
-            coordinator.close()
+        with self._configuring:
+            for coordinator in self.coordinators.values():
+                coordinator.close()
 
 
 class CoordinatorProxy(_Proxy):
@@ -190,7 +207,9 @@ class RayManager:
         hooks = fault_hooks.forwarded_env()  # Ray's workers do not inherit this process's environment
         if hooks:
             common["runtime_env"] = {"env_vars": hooks}
-        coordinator = ray.remote(CoordinatorHost).options(name=prefix + COORDINATOR_NAME, **common).remote(ttl)
+        coordinator = (ray.remote(CoordinatorHost)
+                       .options(name=prefix + COORDINATOR_NAME, max_concurrency=COORDINATOR_THREADS, **common)
+                       .remote(ttl))
         logs = None if log_dir is None else str(shard_log_dir(log_dir, prefix))
         restarts = int(shard_restarts) if logs else 0
         hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", **dict(common, max_restarts=restarts))

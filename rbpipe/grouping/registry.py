@@ -130,8 +130,9 @@ class _Step:
 
 class _Skeleton(TensorDict):
     """A skeleton trajectory. torchrl reads one step of it twice per decision (``td[-1]``, ``td[0]``), one
-    key each time; the general TensorDict indexing path cost a third of a decision, and a TensorDict of every
-    leaf's row still ~10% of the manager's time: an integer step is a view of the one leaf asked for."""
+    key each time; the general TensorDict indexing path cost a large part of a decision, and a TensorDict of
+    every leaf's row still a visible part of the manager's time (figures: docs/DESIGN.md, Figures behind code choices):
+    an integer step is a view of the one leaf asked for."""
 
     def __getitem__(self, index):
         if type(index) is int:
@@ -141,8 +142,8 @@ class _Skeleton(TensorDict):
 
 class _SkeletonMCAdvantage(MCAdvantage):
     """torchrl's ``MCAdvantage``, fed skeletons only. A skeleton is built concrete (plain tensors, no lazy
-    stack, no non-tensor leaves), so torchrl's per-trajectory materialisation check, a third of the decision's
-    cost, has nothing to do and is skipped."""
+    stack, no non-tensor leaves), so torchrl's per-trajectory materialisation check, a large part of the
+    decision's cost, has nothing to do and is skipped."""
 
     @staticmethod
     def _concrete_if_possible(tensordict: TensorDict) -> TensorDict:
@@ -150,7 +151,7 @@ class _SkeletonMCAdvantage(MCAdvantage):
 
     def __setattr__(self, name: str, value) -> None:
         # Counters are properties (torchrl's _set_stat): nn.Module.__setattr__'s parameter/buffer/submodule
-        # checks before reaching them cost ~10% of a decision, several times per trajectory.
+        # checks before reaching them cost a visible part of a decision, several times per trajectory.
         if name in _STAT_SET:
             object.__setattr__(self, name, value)
         else:

@@ -5,11 +5,11 @@ staging directory) crosses the manager. Files are written completely before the 
 writer killed while staging leaves at most an unregistered file (never a registered, half-written one).
 
 Each process stages into its own subdirectory (``<pid>-<rand>/<n>.td``): creating, renaming and unlinking
-entries of one directory from several processes serialise on that directory's lock. Creating a file costs
-~70 us on ext4 (inode allocation), so a deleted payload file is renamed to ``.free-...`` in its *owner's*
-subdirectory (whoever deletes it: the process completing a group deletes the members of every writer), and
-``put`` rewrites one of those and renames it to the new handle. A process also keeps the payloads it staged
-last in memory (``Staging.RECENT``) so completing a group does not read its own members back.
+entries of one directory from several processes serialise on that directory's lock. Creating a file is
+costly on ext4 (inode allocation; figures: docs/DESIGN.md, Figures behind code choices), so a deleted payload file is
+renamed to ``.free-...`` in its *owner's* subdirectory (whoever deletes it: the process completing a group deletes the
+members of every writer), and ``put`` rewrites one of those and renames it to the new handle. A process also keeps the
+payloads it staged last in memory (``Staging.RECENT``) so completing a group does not read its own members back.
 
 Who owns a subdirectory is told by a lock, never by its PID (the ``<pid>`` in its name is informative only:
 a process in another PID namespace, container or host may carry any number there): its owner creates the lock

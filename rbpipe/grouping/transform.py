@@ -287,7 +287,7 @@ class SharedMCAdvantage(MCAdvantage):
         if not isinstance(done, torch.Tensor):
             validate_trajectory(tensordict, required=self.required_keys, reward_key=self.rewards_key,
                                 done_key=self.done_key)
-        done_np = numpy_view(done)  # numpy: a few elements, ~1 us a call against ~4 us for a torch op
+        done_np = numpy_view(done)  # numpy: a few elements, cheaper than a torch op's dispatch
         steps = tensordict.shape[0]
         step_done = (done_np.reshape(steps, -1).any(-1) if done_np is not None
                      else done.reshape(steps, -1).any(-1).cpu().numpy())

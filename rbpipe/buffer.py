@@ -2,7 +2,7 @@
 
 ``grouping="rbpipe"``: ``extend``/``add`` run :class:`~rbpipe.grouping.SharedMCAdvantage`; each completed
 group is written by the writer that completed it, outside any lock (``storage.append_group`` with the
-claim id as commit id where the storage has it, e.g. ``ArrowStorage``; for torchrl tensor storages into a
+claim's commit id where the storage has it, e.g. ``ArrowStorage``; for torchrl tensor storages into a
 row range reserved by the manager), then confirmed (the groups of one call in one round trip). No lock lives
 in the buffer, so it pickles into ``multiprocess`` spawn children.
 
@@ -205,7 +205,7 @@ class GroupReplayBuffer(ReplayBuffer):
         if is_group_store(storage):
             group = transform.group_of(claim, jagged=storage.accepts_jagged)
             if storage.idempotent_commits:  # a recovered claim already committed is not rewritten
-                index = storage.append_group(group, commit_id=claim.claim_id, member_ids=claim.handles)
+                index = storage.append_group(group, commit_id=claim.commit_id, member_ids=claim.handles)
             else:
                 index = storage.append_group(group)
         else:

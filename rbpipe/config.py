@@ -254,8 +254,8 @@ class RunConfig:
     def lead_groups(self) -> int:
         """How many prompts collectors may run ahead of the learner. By default two steps' groups (fewer when
         ``max_policy_lag`` is below 3): the next step's groups are generated while this one trains, and no more,
-        so the learner trains on groups one policy version old. Measured (bench/RESULTS.md, issue 18): reaching
-        the demo's target took 14% more steps at a lag of 1 than on-policy, 48% more at a lag of 2."""
+        so the learner trains on groups one policy version old: each version of lag costs more steps to the
+        demo's target (figures: docs/DESIGN.md, Figures behind code choices)."""
         if self.max_lead_groups is not None:
             return self.max_lead_groups
         return self.groups_per_step * min(2, max(1, self.max_policy_lag - 1))

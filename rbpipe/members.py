@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 try:  # the class behind torch.nested.nested_tensor_from_jagged, built without its view-tracking dispatch
-    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (~4x cheaper per call)
+    from torch.nested._internal.nested_tensor import NestedTensor as _NestedTensor  # (cheaper per call)
 except ImportError:  # a torch that moved it: the public constructor
     _NestedTensor = None  # type: ignore[misc, assignment]  # (the optional-import idiom: None = not available)
 

@@ -43,8 +43,9 @@ RESTART_WAIT_S = 60.0
 #: How long one collector ask waits for prompts to open while the rate limit holds them back (the service
 #: answers as soon as the learner moves the band; the collector checks for a stop request in between).
 TAKE_WAIT_S = 0.1
-#: How often a learner waiting for groups looks at the store again: a check costs ~0.1 ms (one fstat when
-#: nothing was committed), and at the limiter's 5 ms a step whose groups came 0.5 ms late lost 5 ms.
+#: How often a learner waiting for groups looks at the store again: a check is cheap (one fstat when nothing
+#: was committed), and at the limiter's 5 ms a step whose groups came just late lost all 5 ms (figures: docs/DESIGN.md,
+#: Figures behind code choices).
 WAIT_POLL_S = 0.001
 #: The supervisor's look at the service: a finished run is wound down this soon after.
 SUPERVISE_POLL_S = 0.1

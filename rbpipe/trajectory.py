@@ -56,7 +56,8 @@ def make_trajectory(
     token-level task's trajectories carry no text).
 
     Every leaf is ``[1, ...]`` by construction, so the TensorDicts skip the constructor's checks: a collector
-    builds one per sample, and the checked constructor cost ~60 us of each (~40 us more than this)."""
+    builds one per sample, and the checked constructor cost most of each (figures: docs/DESIGN.md, Figures behind code
+    choices)."""
     one = torch.Size([1])
 
     def td(fields: dict) -> TensorDict:
@@ -179,8 +180,8 @@ _NUMPY_VIEWABLE = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, t
 
 def numpy_view(t) -> np.ndarray | None:
     """A numpy view of a plain CPU tensor, else None. The per-trajectory checks run on a few elements, where
-    a numpy call costs ~1 us and a torch op ~3-5 us of dispatch: ~40 us of every trajectory a writer hands
-    over went to such checks."""
+    a numpy call costs a fraction of a torch op's dispatch, and such checks took a large part of what a writer
+    spends on every trajectory it hands over (figures: docs/DESIGN.md, Figures behind code choices)."""
     if type(t) is torch.Tensor and t.dtype in _NUMPY_VIEWABLE and not t.requires_grad and t.device.type == "cpu":
         try:
             return t.numpy()

@@ -243,7 +243,7 @@ def serve(cfg: RunConfig | None = None, *, run_dir: Path | None = None, store: P
 def _open_and_run(cfg: RunConfig | None, *, run_dir, store, resume, steps, progress: bool, log,
                   spawn_workers: bool, listen=None, engine: str = "local", ray: dict | None = None) -> dict[str, Any]:
     if engine not in ENGINES:
-        raise ConfigError(f"--engine {engine!r}: expected 'local' or 'ray'")
+        raise ConfigError(f"--engine {engine!r}: expected {' or '.join(repr(name) for name in ENGINES)}")
     if engine == LOCAL and ray:
         raise ConfigError("--ray-address, --grouping-shards and the other --ray-* options need --engine ray")
     with StopRequest() as stop_request:  # from here on, Ctrl-C/SIGTERM never cut a step in half

@@ -119,7 +119,8 @@ def _train(client: LearnerClient) -> None:
             jobs.submit(save_checkpoint, run_dir, snapshot(state))
         saved = step
 
-    # SmolLM2-135M's weights and Adam states: 1.6 GB to copy (the step itself peaks at ~3.7 GB)
+    # a real model's weights and Adam states (12 bytes a parameter) are large to copy (figures: docs/DESIGN.md, Figures
+    # behind code choices)
     large_state = sum(p.numel() for p in model.parameters()) * 12 > SNAPSHOT_LIMIT_BYTES
 
     last_end = time.perf_counter()  # learner-busy fraction: loss, backward and optimizer over wall time
@@ -227,8 +228,9 @@ def _progress(sampler: FreshGroupSampler) -> dict[str, int]:
 
 class _Reports:
     """What follows a learner step, sent through ``run`` (the bookkeeping thread's ``submit``) so that the next
-    step trains meanwhile: the progress report to the service (a round trip, ~1 ms; it returns the
-    collectors' timing), the group fingerprints and the metrics line (~1.5 ms). ``run`` keeps their order.
+    step trains meanwhile: the progress report to the service (a round trip; it returns the
+    collectors' timing), the group fingerprints and the metrics line (figures: docs/DESIGN.md, Figures behind code
+    choices). ``run`` keeps their order.
 
     While the learner waits for groups it reports only when groups were retired as stale (they free the
     collectors' band), not at every check."""

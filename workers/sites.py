@@ -8,12 +8,13 @@ declared once, so the launcher has no ``engine == "ray"`` test (the service's si
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from rbpipe.config import RunConfig
 from rbpipe.rundir import RAY_WORKERS
-from rbpipe.service.engine import RAY
+from rbpipe.service.engine import engine_entry
 from rbpipe.system.fsutil import atomic_write_json
 from rbpipe.system.procs import worker_context
 
@@ -47,8 +48,8 @@ class LocalSite:
         {}
     """
 
-    def __init__(self) -> None:
-        self.ctx = worker_context()
+    def __init__(self, cfg: RunConfig | None = None, ray: dict[str, Any] | None = None) -> None:
+        self.ctx = worker_context()  # (the run's config and Ray options, which every site is built with: unused)
 
     def open(self) -> None:
         pass
@@ -115,5 +116,7 @@ class RaySite:
 
 
 def open_site(engine: str, cfg: RunConfig, ray: dict[str, Any] | None = None) -> WorkerSite:
-    """The site of ``engine`` (``--engine``; checked by the caller's :func:`rbpipe.service.engine.open_engine`)."""
-    return RaySite(cfg, ray or {}) if engine == RAY else LocalSite()
+    """The site of ``engine`` (``--engine``), as :data:`rbpipe.service.engine.ENGINES` names it (an unknown name
+    is refused in one line, as by :func:`rbpipe.service.engine.open_engine`)."""
+    module, _, name = engine_entry(engine).site.partition(":")
+    return cast(WorkerSite, getattr(importlib.import_module(module), name)(cfg, ray or {}))

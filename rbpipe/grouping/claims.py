@@ -34,7 +34,7 @@ def warn_lost(group, what: str) -> None:
 class Claim:
     """A completed group this process must write, then confirm."""
 
-    claim_id: str
+    commit_id: str
     group: Any
     selected: list[str]
     advantages: list[tuple]

@@ -28,10 +28,11 @@ _DIED = (EOFError, ConnectionError, BrokenPipeError, OSError)
 
 
 # -- the wire: stdlib pickle, dill only when needed -----------------------------------------------------------
-# ``multiprocess`` connections pickle every message with dill (~15 us for the small per-trajectory request and
-# as much for its answer, on each side); the registry's messages are plain data that the C pickler handles in
-# well under a microsecond. Each message is tagged: ``S`` stdlib pickle, ``D`` dill (anything stdlib pickle
-# refuses, e.g. a lambda ``candidate_selector``, or that refers to ``__main__``, which dill sends by value).
+# ``multiprocess`` connections pickle every message with dill (slow for the small per-trajectory request and
+# its answer, on each side); the registry's messages are plain data that the C pickler handles far faster
+# (figures: docs/DESIGN.md, Figures behind code choices). Each message is tagged: ``S`` stdlib pickle, ``D`` dill
+# (anything stdlib pickle refuses, e.g. a lambda ``candidate_selector``, or that refers to ``__main__``, which dill
+# sends by value).
 SERIALIZER = "rbpipe-pickle"
 _STD, _DILL = b"S", b"D"
 _STD_TAG = _STD[0]
@@ -55,11 +56,11 @@ def _loads(buf: memoryview):
 
 # -- waiting for a message: poll briefly, then sleep ------------------------------------------------------------
 # A process that sleeps in ``read()`` until its next message lets its CPU go idle, and on a virtual machine
-# waking an idle vCPU is slow (docs/DESIGN.md, "Waiting for the manager": one writer went from 2,400 to 5,000
-# trajectories/s). So a connection polls its socket, yielding the CPU between polls so that runnable processes
-# are not held up, for up to ``RBPIPE_SPIN_US`` microseconds before it sleeps in ``read()``. In the manager at
-# most one connection thread polls at a time: several polling threads only fought over the GIL (4 writers ran
-# ~10% slower).
+# waking an idle vCPU is slow (figures: docs/DESIGN.md, "Waiting for the manager"). So a connection polls its
+# socket, yielding the CPU between polls so that runnable processes are not held up, for up to
+# ``RBPIPE_SPIN_US`` microseconds before it sleeps in ``read()``. In the manager at
+# most one connection thread polls at a time: several polling threads only fought over the GIL (writers ran
+# slower; figures: docs/DESIGN.md, Figures behind code choices).
 def spin_seconds(raw: str | None = None) -> float:
     """The poll-before-sleep window, in seconds, from ``RBPIPE_SPIN_US`` (default 1000 us)."""
     raw = os.environ.get("RBPIPE_SPIN_US", "1000") if raw is None else raw
@@ -203,7 +204,7 @@ def _init_manager_process(owner: int | None = None) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the workers; the launcher shuts us down
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as does a SIGTERM of the process group (its owner stops us)
-    torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost (~25% per call)
+    torch.set_num_threads(1)  # decisions are tiny tensor ops: intra-op threads only cost
     # A process inherits its starter's temporary directory setting, and the starter's directory also holds the
     # fork server's socket: the manager makes its own (for its Unix socket), which _clean_up removes, or, after a
     # SIGKILL, the next sweep (rbpipe.system.procs.sweep_orphaned_socket_dirs)
@@ -220,8 +221,9 @@ def start_manager(*, address: tuple[str, int] | str | None = None, authkey: byte
     Shut it down with ``manager.shutdown()``.
 
     ``address=None`` listens on a Unix socket in a private temporary directory where the platform has them
-    (about 20% less CPU per call than TCP loopback, in the manager and in every writer); pass
-    ``("127.0.0.1", 0)`` (or a host's address) for a TCP socket that processes may join from elsewhere.
+    (less CPU per call than TCP loopback, in the manager and in every writer; figures: docs/DESIGN.md, Figures behind
+    code choices); pass ``("127.0.0.1", 0)`` (or a host's address) for a TCP socket that processes may join from
+    elsewhere.
     """
     spin_seconds()  # a bad RBPIPE_SPIN_US fails here, in plain words, before a process is spawned
     manager = GroupingManager(address=address, authkey=authkey or secrets.token_bytes(32),

@@ -19,8 +19,8 @@ deferred, and its members count as queued, until the owner confirms that the sto
 whose owner's lease was released or expired (a writer that left, was killed, or froze for longer than the
 lease's time to live) is handed to the next caller (``append``/``recover``) to finish. Ownership never looks
 at a PID: a writer in another PID namespace, container or host is owned by its lease like any other. An
-owner that is not a lease token (an int, as older callers passed PIDs) counts as dead. The claim id doubles as
-the storage commit id so a finished-but-unconfirmed write (e.g. by a writer whose lease expired while it
+owner that is not a lease token (an int, as older callers passed PIDs) counts as dead. A claim's id is
+the storage commit id (``commit_id``) so a finished-but-unconfirmed write (e.g. by a writer whose lease expired while it
 wrote) is not duplicated by storages that support idempotent commits.
 
 A claim that cannot be written is *quarantined* instead of being handed on until every writer has died of it:
@@ -130,8 +130,9 @@ class _Step:
 
 class _Skeleton(TensorDict):
     """A skeleton trajectory. torchrl reads one step of it twice per decision (``td[-1]``, ``td[0]``), one
-    key each time; the general TensorDict indexing path cost a third of a decision, and a TensorDict of every
-    leaf's row still ~10% of the manager's time: an integer step is a view of the one leaf asked for."""
+    key each time; the general TensorDict indexing path cost a large part of a decision, and a TensorDict of
+    every leaf's row still a visible part of the manager's time (figures: docs/DESIGN.md, Figures behind code choices):
+    an integer step is a view of the one leaf asked for."""
 
     def __getitem__(self, index):
         if type(index) is int:
@@ -141,8 +142,8 @@ class _Skeleton(TensorDict):
 
 class _SkeletonMCAdvantage(MCAdvantage):
     """torchrl's ``MCAdvantage``, fed skeletons only. A skeleton is built concrete (plain tensors, no lazy
-    stack, no non-tensor leaves), so torchrl's per-trajectory materialisation check, a third of the decision's
-    cost, has nothing to do and is skipped."""
+    stack, no non-tensor leaves), so torchrl's per-trajectory materialisation check, a large part of the
+    decision's cost, has nothing to do and is skipped."""
 
     @staticmethod
     def _concrete_if_possible(tensordict: TensorDict) -> TensorDict:
@@ -150,7 +151,7 @@ class _SkeletonMCAdvantage(MCAdvantage):
 
     def __setattr__(self, name: str, value) -> None:
         # Counters are properties (torchrl's _set_stat): nn.Module.__setattr__'s parameter/buffer/submodule
-        # checks before reaching them cost ~10% of a decision, several times per trajectory.
+        # checks before reaching them cost a visible part of a decision, several times per trajectory.
         if name in _STAT_SET:
             object.__setattr__(self, name, value)
         else:
@@ -408,7 +409,7 @@ class GroupRegistry(LeaseAuthority):
         advs = out.get(_A).split(counts.tolist(), dim=0)
         selected = [handle_of[int(h)] for h in hcol.tolist()]
         claim = {
-            "claim_id": self._claim_id(members), "group": group, "selected": selected,
+            "commit_id": self._commit_id(members), "group": group, "selected": selected,
             "advantages": [encode_tensor(a) for a in advs],
             "unselected": [h for _, h, _ in members if h not in set(selected)],
             "members": [(h, r) for _, h, r in members], "deltas": deltas, "owner": owner,
@@ -416,17 +417,17 @@ class GroupRegistry(LeaseAuthority):
             "rows": self._reserve_rows(int(counts.sum())) if reserve_rows else None, "nrows": int(counts.sum()),
         }
         with self._claims_lock:
-            self._claims[claim["claim_id"]] = claim
+            self._claims[claim["commit_id"]] = claim
         return {"status": "write", **self._public(claim)}
 
-    def _claim_id(self, members) -> str:
-        """A new claim's id (also its storage commit id): random here. The Ray engine's shards derive it from
+    def _commit_id(self, members) -> str:
+        """A new claim's commit id (its id, and the store's): random here. The Ray engine's shards derive it from
         the members' handles, so that a group formed again by replaying a shard's log keeps its id."""
         return uuid.uuid4().hex
 
     @staticmethod
     def _public(claim: dict) -> dict:
-        return {k: claim[k] for k in ("claim_id", "group", "selected", "advantages", "unselected", "rows")}
+        return {k: claim[k] for k in ("commit_id", "group", "selected", "advantages", "unselected", "rows")}
 
     def _orphans(self, owner, force: bool = False) -> list[dict]:
         now = time.monotonic()
@@ -441,35 +442,35 @@ class GroupRegistry(LeaseAuthority):
                     if claim["deaths"] >= MAX_WRITER_DEATHS:
                         reason = (f"its writers died {claim['deaths']} times while writing it (their leases "
                                   f"expired or were released; last owner: {claim['owner']})")
-                        record = self._quarantine_locked(claim["claim_id"], reason)
+                        record = self._quarantine_locked(claim["commit_id"], reason)
                         taken.append(dict(self._public(claim), quarantine=record))
                         continue
                     claim["owner"], claim["since"] = owner, now
                     taken.append(self._public(claim))
         return taken
 
-    def confirm(self, claim_id: str, owner=None) -> bool:
+    def confirm(self, commit_id: str, owner=None) -> bool:
         """The claim's group is in storage: release its deferred counters. Idempotent. With ``owner`` (the lease
         token the claim was handed to), only while the claim is still that owner's: a writer whose lease expired
         (frozen, stalled) and whose claim another writer took over is refused (False), so one of the two, never
         both, confirms it."""
         with self._claims_lock:
-            return self._confirm_locked(claim_id, owner)
+            return self._confirm_locked(commit_id, owner)
 
-    def confirm_many(self, claim_ids: list[str], owner=None) -> list[bool]:
+    def confirm_many(self, commit_ids: list[str], owner=None) -> list[bool]:
         """:meth:`confirm` each of the groups one hand-over wrote, in one round trip."""
         with self._claims_lock:
-            return [self._confirm_locked(claim_id, owner) for claim_id in claim_ids]
+            return [self._confirm_locked(commit_id, owner) for commit_id in commit_ids]
 
-    def _confirm_locked(self, claim_id: str, owner) -> bool:
-        claim = self._claims.get(claim_id)
+    def _confirm_locked(self, commit_id: str, owner) -> bool:
+        claim = self._claims.get(commit_id)
         if claim is None or owner is not None and claim["owner"] != owner:
             return False
-        del self._claims[claim_id]
+        del self._claims[commit_id]
         return True
 
     def unconfirmed(self) -> list[tuple[str, list[str]]]:
-        """``(claim id, member handles)`` of every claim not confirmed yet: lets the service confirm, at the end
+        """``(commit id, member handles)`` of every claim not confirmed yet: lets the service confirm, at the end
         of a run, those whose group a writer stored and was killed before confirming."""
         with self._claims_lock:
             return [(cid, list(c["selected"]) + list(c["unselected"])) for cid, c in self._claims.items()]
@@ -490,19 +491,19 @@ class GroupRegistry(LeaseAuthority):
         return self._orphans(owner, force=True)
 
     # -- quarantine --------------------------------------------------------------------------------------------
-    def quarantine(self, claim_id: str, reason: str, owner=None) -> dict | None:
+    def quarantine(self, commit_id: str, reason: str, owner=None) -> dict | None:
         """A writer could not write this claim: drop it with reason ``quarantined`` (never handed on again);
         returns its record (None if it was confirmed or quarantined already, or, with ``owner``, if another
         writer took it over: a late writer's failure says nothing about the group)."""
         with self._claims_lock:
-            claim = self._claims.get(claim_id)
+            claim = self._claims.get(commit_id)
             if claim is None or owner is not None and claim["owner"] != owner:
                 return None
-            return self._quarantine_locked(claim_id, reason)
+            return self._quarantine_locked(commit_id, reason)
 
-    def _quarantine_locked(self, claim_id: str, reason: str) -> dict:
-        claim = self._claims.pop(claim_id)
-        record = {"claim_id": claim_id, "group": claim["group"], "reason": str(reason),
+    def _quarantine_locked(self, commit_id: str, reason: str) -> dict:
+        claim = self._claims.pop(commit_id)
+        record = {"commit_id": commit_id, "group": claim["group"], "reason": str(reason),
                   "handles": list(claim["selected"]) + list(claim["unselected"]), "rows": claim["rows"],
                   "time": time.time()}
         self._quarantine.append(record)
@@ -517,7 +518,7 @@ class GroupRegistry(LeaseAuthority):
         return record
 
     def quarantined(self) -> list[dict]:
-        """Records of quarantined groups: claim id, group, handles (payloads under ``quarantine/<claim id>/``
+        """Records of quarantined groups: commit id, group, handles (payloads under ``quarantine/<commit id>/``
         of the staging directory), reason, reserved rows, time."""
         with self._claims_lock:
             return [dict(r) for r in self._quarantine]

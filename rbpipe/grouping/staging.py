@@ -5,11 +5,11 @@ staging directory) crosses the manager. Files are written completely before the 
 writer killed while staging leaves at most an unregistered file (never a registered, half-written one).
 
 Each process stages into its own subdirectory (``<pid>-<rand>/<n>.td``): creating, renaming and unlinking
-entries of one directory from several processes serialise on that directory's lock. Creating a file costs
-~70 us on ext4 (inode allocation), so a deleted payload file is renamed to ``.free-...`` in its *owner's*
-subdirectory (whoever deletes it: the process completing a group deletes the members of every writer), and
-``put`` rewrites one of those and renames it to the new handle. A process also keeps the payloads it staged
-last in memory (``Staging.RECENT``) so completing a group does not read its own members back.
+entries of one directory from several processes serialise on that directory's lock. Creating a file is
+costly on ext4 (inode allocation; figures: docs/DESIGN.md, Figures behind code choices), so a deleted payload file is
+renamed to ``.free-...`` in its *owner's* subdirectory (whoever deletes it: the process completing a group deletes the
+members of every writer), and ``put`` rewrites one of those and renames it to the new handle. A process also keeps the
+payloads it staged last in memory (``Staging.RECENT``) so completing a group does not read its own members back.
 
 Who owns a subdirectory is told by a lock, never by its PID (the ``<pid>`` in its name is informative only:
 a process in another PID namespace, container or host may carry any number there): its owner creates the lock
@@ -26,7 +26,7 @@ pickle: a file planted in the staging directory can at worst be refused as torn)
 path).
 
 The payload's bytes are :mod:`rbpipe.grouping.codec`'s. A group that cannot be written is moved whole to
-``quarantine/<claim id>/`` (its payloads and a ``reason.json``), out of the handle namespace, for a person to
+``quarantine/<commit id>/`` (its payloads and a ``reason.json``), out of the handle namespace, for a person to
 inspect.
 
 Size (over 500 lines): the staging area and its owner locks, which its sweep reads; the payload codec is already
@@ -149,6 +149,8 @@ _register_after_multiprocess_fork()
 HANDLE = re.compile(r"[0-9]+-[0-9a-f]{8}/[0-9]+\.td")
 _OWNER_DIR = re.compile(r"[0-9]+-[0-9a-f]{8}")
 QUARANTINE = "quarantine"
+#: The file beside a quarantined group's payloads: its record (``commit_id``, group, reason, handles, rows, time).
+REASON_FILE = "reason.json"
 
 
 def _private_dir(path: Path) -> None:
@@ -352,13 +354,13 @@ class Staging:
         found = (p.relative_to(self.path).as_posix() for p in self.path.glob(f"*/*{self.SUFFIX}"))
         return sorted(h for h in found if HANDLE.fullmatch(h))
 
-    def quarantine(self, claim_id: str, handles: list[str], record: dict) -> Path:
+    def quarantine(self, commit_id: str, handles: list[str], record: dict) -> Path:
         """Move a group that cannot be written out of the handle namespace (a resume does not queue it again),
-        with ``reason.json``, into ``quarantine/<claim id>/``; returns that directory."""
-        if not re.fullmatch(r"[0-9a-f]{32}", str(claim_id)):
-            raise StagingError(f"refusing claim id {claim_id!r}")
+        with ``reason.json``, into ``quarantine/<commit id>/``; returns that directory."""
+        if not re.fullmatch(r"[0-9a-f]{32}", str(commit_id)):
+            raise StagingError(f"refusing commit id {commit_id!r}")
         paths = [self._path(h) for h in handles]
-        target = self.path / QUARANTINE / claim_id
+        target = self.path / QUARANTINE / commit_id
         _private_dir(target)
         for i, (handle, path) in enumerate(zip(handles, paths, strict=True)):
             self._recent.pop(handle, None)
@@ -366,10 +368,21 @@ class Staging:
                 os.rename(path, target / f"{i}{self.SUFFIX}")
             except FileNotFoundError:  # deleted already (e.g. by a writer that died after its commit)
                 pass
-        fd = os.open(target / "reason.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(target / REASON_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(record, f, indent=1, default=repr)
         return target
+
+
+def read_quarantine_record(directory) -> dict:
+    """The record of the group quarantined in ``directory`` (``quarantine/<commit id>/``), from its
+    ``reason.json``. Records written before the key was renamed name the id ``claim_id``: it is read as
+    ``commit_id``, so a quarantine left by an earlier version reads like a new one."""
+    with open(Path(directory) / REASON_FILE, encoding="utf-8") as f:
+        record = json.load(f)
+    if isinstance(record, dict) and "claim_id" in record and "commit_id" not in record:
+        record = {("commit_id" if key == "claim_id" else key): value for key, value in record.items()}
+    return record
 
 
 OWNER_SUFFIX = ".owner"

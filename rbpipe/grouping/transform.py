@@ -248,8 +248,8 @@ class SharedMCAdvantage(MCAdvantage):
         self.staging.delete(call(self._registry, "clear_queues"))
 
     def quarantined(self) -> list[dict]:
-        """Groups that could not be written (records: claim id, group, handles, reason, rows); their payloads
-        are under ``quarantine/<claim id>/`` of the staging directory."""
+        """Groups that could not be written (records: commit id, group, handles, reason, rows); their payloads
+        are under ``quarantine/<commit id>/`` of the staging directory."""
         return call(self._registry, "quarantined")
 
     def drop_reasons(self) -> dict[str, int]:
@@ -287,7 +287,7 @@ class SharedMCAdvantage(MCAdvantage):
         if not isinstance(done, torch.Tensor):
             validate_trajectory(tensordict, required=self.required_keys, reward_key=self.rewards_key,
                                 done_key=self.done_key)
-        done_np = numpy_view(done)  # numpy: a few elements, ~1 us a call against ~4 us for a torch op
+        done_np = numpy_view(done)  # numpy: a few elements, cheaper than a torch op's dispatch
         steps = tensordict.shape[0]
         step_done = (done_np.reshape(steps, -1).any(-1) if done_np is not None
                      else done.reshape(steps, -1).any(-1).cpu().numpy())
@@ -417,22 +417,22 @@ class SharedMCAdvantage(MCAdvantage):
 
     @staticmethod
     def _bare_claim(decision: dict, owner: str | None = None) -> Claim:
-        return Claim(decision["claim_id"], decision["group"], list(decision["selected"]),
+        return Claim(decision["commit_id"], decision["group"], list(decision["selected"]),
                      list(decision["advantages"]), list(decision["unselected"]), decision.get("rows"), owner=owner)
 
     def quarantine(self, claim: Claim, error: BaseException | str, *, warn: bool = True) -> dict | None:
         """``claim`` cannot be written: drop it with reason ``quarantined`` (counted, recorded, never handed to
-        another writer) and move its payloads to ``quarantine/<claim id>/``; returns its record. ``warn``:
+        another writer) and move its payloads to ``quarantine/<commit id>/``; returns its record. ``warn``:
         say so (a caller that raises about it instead passes False)."""
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        args = (claim.claim_id, reason) if claim.owner is None else (claim.claim_id, reason, claim.owner)
+        args = (claim.commit_id, reason) if claim.owner is None else (claim.commit_id, reason, claim.owner)
         record = call(self._registry, "quarantine", *args)
         if record is not None:
             self._set_aside(claim, record, warn)
         return record
 
     def _set_aside(self, claim: Claim, record: dict, warn: bool = True) -> None:
-        where = self.staging.quarantine(claim.claim_id, claim.handles, record)
+        where = self.staging.quarantine(claim.commit_id, claim.handles, record)
         if warn:
             warnings.warn(f"group {claim.group!r} could not be written and was quarantined (counted as dropped, "
                           f"reason 'quarantined'): {record['reason']}. Its payloads and reason are in {where}",
@@ -521,13 +521,13 @@ class SharedMCAdvantage(MCAdvantage):
         confirmed. A claim whose lease this process lost (it did not renew it for the lease's time to live:
         frozen, stalled) and that another writer took over is refused, with a :class:`ClaimLostWarning`: that
         writer writes and confirms it, and its staged payloads are left to it. (An rbpipe store absorbs the
-        late write: the commit id is the claim id.)"""
+        late write: the claim carries its commit id.)"""
         by_owner: dict[str | None, list[Claim]] = {}
         for claim in claims:
             by_owner.setdefault(claim.owner, []).append(claim)
         confirmed: list[Claim] = []
         for owner, own in by_owner.items():  # one round trip, but for a lease renewed in between
-            ids = [claim.claim_id for claim in own]
+            ids = [claim.commit_id for claim in own]
             answers = call(self._registry, "confirm_many", ids) if owner is None else \
                 call(self._registry, "confirm_many", ids, owner)
             for claim, ok in zip(own, answers, strict=True):
@@ -558,8 +558,8 @@ class SharedMCAdvantage(MCAdvantage):
         is returned only once its confirmation succeeded: a claim this process lost to another writer (its lease
         expired) is that writer's to return, never both's."""
         claims = list(self.process(tensordict))
-        built = {claim.claim_id: self.group_of(claim) for claim in claims}  # before confirm deletes the payloads
-        groups = [built[claim.claim_id] for claim in self.confirm_many(claims)]
+        built = {claim.commit_id: self.group_of(claim) for claim in claims}  # before confirm deletes the payloads
+        groups = [built[claim.commit_id] for claim in self.confirm_many(claims)]
         if not groups:
             return None
         return groups[0] if len(groups) == 1 else self._cat_tensordicts(groups, 0)

@@ -42,7 +42,7 @@ def row_tensors(rows: TensorDictBase, key) -> list[torch.Tensor]:
         return [t.reshape(-1) for t in rows.get(key, as_list=True)]
     column = rows.get(key)
     if _stored_ragged(column):
-        return list(column.values().split(column.offsets().diff().tolist()))  # 4x faster than unbind
+        return list(column.values().split(column.offsets().diff().tolist()))  # faster than unbind
     return [t.reshape(-1) for t in column.unbind(0)]
 
 
@@ -54,7 +54,7 @@ def row_sums(rows: TensorDictBase, key) -> torch.Tensor:
     tensors = row_tensors(rows, key)
     if not tensors:
         return torch.zeros(0, dtype=torch.int64)
-    # one concatenation and one scatter: a sum and an int() per row cost ~1 ms per learner step
+    # one concatenation and one scatter: a sum and an int() per row cost a visible part of a learner step
     return _segment_sums(torch.cat(tensors), torch.tensor([t.numel() for t in tensors]))
 
 
@@ -70,7 +70,7 @@ def _stored_ragged(column) -> bool:
 
 
 def _new(fields: dict) -> TensorDict:
-    # rows built here are consistent by construction: skip the constructor's checks (~1/3 of a learner step)
+    # rows built here are consistent by construction: skip the constructor's checks (a large part of a step)
     return TensorDict._new_unsafe(fields, batch_size=torch.Size([]))
 
 
@@ -156,10 +156,10 @@ MIN_ACTIVATION_BUDGET = 256e6
 def auto_micro_batches(model: torch.nn.Module, batch: TensorDictBase, minimum: int = 1) -> int:
     """How many micro-batches keep one micro-batch's activations within ``max(weights, 256 MB)``.
 
-    Why: a step's activations grow with rows x width x layers, not with the model's weights; SmolLM2-135M on 32
-    rows of 72 tokens kept ~3.3 GB of them for backward (the learner peaked at 7.9 GB; in 8 micro-batches at
-    3.7 GB, with the same gradient). The estimate per token is float32 ``layers x (10 x hidden + 4 x
-    intermediate) + 2 x vocab`` values (the decoder's saved activations, the logits and their gradient); the
+    Why: a step's activations grow with rows x width x layers, not with the model's weights; with a real model they
+    are most of the learner's peak memory, and micro-batches give the same gradient at a fraction of the peak
+    (figures: docs/DESIGN.md, Figures behind code choices). The estimate per token is float32 ``layers x (10 x hidden +
+    4 x intermediate) + 2 x vocab`` values (the decoder's saved activations, the logits and their gradient); the
     demo's tiny model stays at one micro-batch. ``minimum``: ``--micro-batches``."""
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
@@ -209,7 +209,7 @@ def train_step(loss_module: RbpipeGRPOLoss, optimizer: torch.optim.Optimizer, ba
     bounds = torch.linspace(0, n, min(micro_batches, n) + 1).round().long().tolist()
     if len(bounds) > 2:
         counts = step_counts(loss_module, batch)
-    else:  # one micro-batch is the whole step: its own counts are the global ones (a second pass cost ~2 ms)
+    else:  # one micro-batch is the whole step: its own counts are the global ones (a second pass would only cost time)
         _check_counts_possible(loss_module)
         counts = {}
     optimizer.zero_grad(set_to_none=True)

@@ -3,13 +3,13 @@ the model rather than of its vocabulary.
 
 torchrl's ``GRPOLoss`` gets it from the actor (``TransformersWrapper._get_sft_dist``), which runs the same
 left-padded forward pass and then unpads logits, masks and tokens into per-row lazy stacks only to pad them
-again: on the demo learner that TensorDict round trip was ~30% of a train step, more than the model itself.
-:func:`sft_distribution` keeps the padded tensors; the values and gradients are the wrapper's
+again: on the demo learner that TensorDict round trip cost more than the model itself (figures: docs/DESIGN.md, Figures
+behind code choices). :func:`sft_distribution` keeps the padded tensors; the values and gradients are the wrapper's
 (``tests/loss/test_logprobs.py``). Actors it does not cover fall back to torchrl's path.
 
 Why not ``LLMMaskedCategorical``: with a real vocabulary (SmolLM2's 49,152 tokens) every full-vocabulary
-tensor of a step is ``rows x width x vocab`` floats (32 x 72 rows: 453 MB in float32). Shifting the logits,
-masking them, a float32 log-softmax, and an entropy computed with gradients kept (even at ``entropy_coef=0``)
+tensor of a step is ``rows x width x vocab`` floats (hundreds of MB for a demo-sized step in float32). Shifting the
+logits, masking them, a float32 log-softmax, and an entropy computed with gradients kept (even at ``entropy_coef=0``)
 held eight of them at once. :class:`ResponseLogits` keeps only the logits of the positions that predict a
 response token (``logits_to_keep``), takes the chosen tokens' log-probs as ``logit - logsumexp`` one row at a
 time (TRL's ``selective_log_softmax``), and computes the entropy row by row, without gradient unless the loss

@@ -143,8 +143,8 @@ class RbpipeGRPOLoss(GRPOLoss):
 
     def forward(self, tensordict: TensorDictBase, *, num_tokens=None, num_seqs=None, norm=None) -> TensorDict:
         # torchrl's _log_weight writes CUR_LOG_PROB into its input. It is removed again afterwards instead of
-        # running on a copy: a lazy stack's copy copies every row (~1.3 ms of a ~32 ms demo learner step).
-        # A locked input, or one that already holds the key, still gets a copy.
+        # running on a copy: a lazy stack's copy copies every row (figures: docs/DESIGN.md, Figures behind code
+        # choices). A locked input, or one that already holds the key, still gets a copy.
         if tensordict.is_locked or CUR_LOG_PROB in tensordict.keys():
             return self._forward(tensordict.copy(), num_tokens, num_seqs, norm)
         try:

@@ -1,15 +1,15 @@
 """``--model FILE.gguf``: a GGUF checkpoint, dequantized once into a plain Hugging Face directory that every
 process then loads.
 
-Why a converted copy: transformers' GGUF loader dequantizes the whole file on every load (~13 s for
-SmolLM2-135M on 2 loaded cores), and a run loads its model in the launcher (the up-front check), the service,
-each collector and the learner; and a GGUF-loaded model cannot ``save_pretrained``. The first load rebuilds it
-as a plain model (the same class, its config without the quantization entry, the dequantized state dict) and
-writes it, with its tokenizer and generation config, to a directory keyed by the file's path, size and
-modification time under :func:`cache_root`; every later load, in any process, reads that directory (~1 s).
-A conversion runs under a file lock and lands by rename, so processes that start together convert once and
-never read half a directory. Needs the ``gguf`` extra (``pip install -e ".[gguf]"``: ``gguf`` and
-``accelerate``).
+Why a converted copy: transformers' GGUF loader dequantizes the whole file on every load (seconds
+even for a small model), and a run loads its model in the launcher (the up-front check), the service, each
+collector and the learner; and a GGUF-loaded model cannot ``save_pretrained``. The first load rebuilds it as a
+plain model (the same class, its config without the quantization entry, the dequantized state dict) and writes
+it, with its tokenizer and generation config, to a directory keyed by the file's path, size and modification
+time under :func:`cache_root`; every later load, in any process, reads that directory, much faster (figures:
+docs/DESIGN.md, Figures behind code choices). A conversion runs under a file lock and lands by rename, so processes that
+start together convert once and never read half a directory. Needs the ``gguf`` extra (``pip install -e ".[gguf]"``:
+``gguf`` and ``accelerate``).
 """
 
 from __future__ import annotations

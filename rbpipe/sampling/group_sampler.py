@@ -98,7 +98,7 @@ class FreshGroupSampler(Sampler):
         """Each span's oldest policy version. A committed group never changes, so each is found once: from its
         commit record where the store keeps it there (``group_minimums``), else by reading its column (a
         learner that waits checks every few milliseconds; reading every fresh group's column each time cost
-        ~0.6 ms a check on the demo run, reading each new group's ~1 ms a step)."""
+        a visible part of each check and step; figures: docs/DESIGN.md, Figures behind code choices)."""
         seqs = [int(seq) for seq in spans[:, 0].tolist()]
         new = [seq for seq in seqs if seq not in self._oldest]
         if new:

@@ -2,6 +2,11 @@
 manager, weights in a memory-mapped file) and on Ray (``--engine ray``: actors, weights in Ray's object store),
 declared once. :func:`open_engine` picks one by name; the service (``workers/serve.py``) calls only these
 methods, so no ``engine == "ray"`` test is needed there.
+
+:data:`ENGINES` is the one table of engines: each ``--engine`` name with its service class (here) and its worker
+site (where a run's workers live, the launcher's side: ``rbpipe.workers.sites``). A site is named by its import
+path and resolved by ``rbpipe.workers.sites.open_site``: the workers sit above the service (docs/ARCHITECTURE.md),
+so this module never imports them. Adding an engine is one entry of the table.
 """
 
 from __future__ import annotations
@@ -9,7 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +26,6 @@ from rbpipe.service.host import ServiceHost
 from rbpipe.service.weights import WEIGHTS_PREFIX, SharedWeights, default_weights_dir
 
 LOCAL, RAY = "local", "ray"
-ENGINES = (LOCAL, RAY)
 
 
 class Weights(Protocol):
@@ -112,10 +117,32 @@ class RayEngine:
         return host.pids()
 
 
+@dataclass(frozen=True)
+class EngineEntry:
+    """One engine of :data:`ENGINES`: its service side and where its workers live."""
+
+    #: the service's side (an :class:`Engine`)
+    engine: Callable[[], Engine]
+    #: the launcher's side, ``"module:Class"`` of a ``rbpipe.workers.sites.WorkerSite`` built with
+    #: ``(cfg, ray_options)``; resolved by ``rbpipe.workers.sites.open_site`` (the workers' layer)
+    site: str
+
+
+#: Every engine, by its ``--engine`` name (iterating gives the names, in the order the errors list them).
+ENGINES: Mapping[str, EngineEntry] = {
+    LOCAL: EngineEntry(LocalEngine, "rbpipe.workers.sites:LocalSite"),
+    RAY: EngineEntry(RayEngine, "rbpipe.workers.sites:RaySite"),
+}
+
+
+def engine_entry(kind: str) -> EngineEntry:
+    """The entry of the engine named ``kind`` (``--engine``); an unknown name is refused in one line."""
+    entry = ENGINES.get(kind)
+    if entry is None:
+        raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {kind!r}")
+    return entry
+
+
 def open_engine(kind: str) -> Engine:
     """The engine named ``kind`` (``--engine``)."""
-    if kind == LOCAL:
-        return LocalEngine()
-    if kind == RAY:
-        return RayEngine()
-    raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {kind!r}")
+    return engine_entry(kind).engine()

@@ -1,9 +1,9 @@
 """``StateJournal``: a small JSON state saved on every change for the price of one ``write``.
 
 The coordinator saves its share-out of prompts at every hand-over (twice per learner step by default). A
-write-then-rename of a 200-byte file costs 150-400 us of CPU on ext4 (the rename over an existing file starts
-writeback of the new one), about 2 ms per learner step in the grouping manager under load; appending one line
-to an open file costs ~1 us. So a state is kept as two files:
+write-then-rename of a small file is costly on ext4 (the rename over an existing file starts writeback of the
+new one), a visible part of each learner step in the grouping manager under load; appending one line to an
+open file costs next to nothing (figures: docs/DESIGN.md, Figures behind code choices). So a state is kept as two files:
 
 * ``NAME`` (e.g. ``prompts.json``), a snapshot written atomically (:func:`rbpipe.system.fsutil.atomic_write`);
 * ``NAME.journal``, whole states appended one line each, in the commit log's checksummed line format

@@ -7,8 +7,8 @@ killed learner could leave held.
 
 The learner writes the vector through the file (``os.pwrite``, one parameter at a time), not through its
 mapping: pages it touched in a mapping would count in its resident memory for the rest of the run (the whole
-vector, 540 MB for SmolLM2-135M), and one ``torch.cat`` of every parameter would add as much again at each
-publish; the readers' mappings see the same pages.
+vector: hundreds of MB for a small real model; figures: docs/DESIGN.md, Figures behind code choices), and one
+``torch.cat`` of every parameter would add as much again at each publish; the readers' mappings see the same pages.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def gather_arrays(plans: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray
 
     ``plans[b]`` holds block ``b``'s array addresses, then their byte counts. Returns the buffer, where each
     concatenated array starts in it (64-byte aligned) and its byte count. The copy runs in tasks of at most
-    ``chunk`` bytes over all threads: one thread per range would leave cores idle (ranges differ 10x)."""
+    ``chunk`` bytes over all threads: one thread per range would leave cores idle (ranges differ widely in size)."""
     blocks, arrays = plans.shape[0], plans.shape[1] // 2
     sizes = np.zeros(arrays, np.int64)
     tasks = 0

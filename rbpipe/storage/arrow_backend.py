@@ -54,7 +54,8 @@ def arrow_schema(schema: ColumnSet) -> pa.Schema:
 
 def to_record_batch(cols: GroupColumns, schema: ColumnSet, pschema: pa.Schema) -> pa.RecordBatch:
     """A group's columns as one record batch, built from their buffers without copies or per-array
-    validation (the types come from ``pschema``; ``pa.array`` + ``from_arrays`` cost a third of a write)."""
+    validation (the types come from ``pschema``; ``pa.array`` + ``from_arrays`` cost a large part of a write;
+    figures: docs/DESIGN.md, Figures behind code choices)."""
     arrays = []
     fields = iter(pschema)
     n = cols.n

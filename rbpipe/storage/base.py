@@ -513,7 +513,8 @@ class GroupStorage(Storage):
     def group_minimums(self, key: NestedKey, seqs: Sequence[int]) -> dict[int, int]:
         """The smallest value of the one-element integer column ``key`` in each live group of ``seqs``, from the
         group's commit record (its catalogue values): no data is read. A waiting learner checks every new
-        group's oldest policy version; reading the column for them was ~1 ms of every learner step.
+        group's oldest policy version; reading the column for them was a visible part of every learner step (figures:
+        docs/DESIGN.md, Figures behind code choices).
 
         Groups whose record does not carry it (no catalogue column sums ``key``, or the group is not live) are
         left out: read those with :meth:`read_column`. Like ``read_column``, against the last refresh. The

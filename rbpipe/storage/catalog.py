@@ -100,7 +100,7 @@ def catalog_values(cols, schema, catalog_columns: dict) -> dict[str, list]:
 
 class CatalogBuffer:
     """A writer's catalogue rows not yet in a Parquet file: flushed as one file per ``every`` groups, or
-    sooner once the oldest waited ``interval_s`` (few, large files, as a flush costs ~10 ms, without letting
+    sooner once the oldest waited ``interval_s`` (few, large files, as each flush has a fixed cost, without letting
     a slow writer's catalogue fall far behind its commits)."""
 
     def __init__(self, store: Path, columns: dict, every: int, interval_s: float) -> None:

@@ -131,8 +131,8 @@ def ragged_sizes(shapes: np.ndarray, col: Column) -> np.ndarray:
 
 def take_ragged(values: np.ndarray, shapes: np.ndarray, col: Column, order: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ``order`` of a ragged column held as (flat values, shapes). (A loop of slices: measured 10x
-    faster than building a flat fancy index with ``np.repeat`` for 256 rows of ~500 values.)"""
+    """Rows ``order`` of a ragged column held as (flat values, shapes). (A loop of slices: faster than
+    building a flat fancy index with ``np.repeat``; figures: docs/DESIGN.md, Figures behind code choices.)"""
     sizes = ragged_sizes(shapes, col)
     starts = (np.cumsum(sizes) - sizes)[order].tolist()
     parts = [values[s:s + k] for s, k in zip(starts, sizes[order].tolist(), strict=True)]
@@ -196,7 +196,7 @@ def _leaves(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[tuple[str,
     ``get`` on the rows of a lazy stack cost more than the whole Arrow write of a group."""
     out = {}
     for k, v in (td._tensordict.items() if type(td) is TensorDict else td.items()):
-        kind = type(v)  # exact type checks first: isinstance against the ABCs cost a third of the walk
+        kind = type(v)  # exact type checks first: isinstance against the ABCs is slow
         if kind is torch.Tensor or (kind is not TensorDict and isinstance(v, torch.Tensor)):
             out[prefix + (k,)] = v
         elif kind is TensorDict:
@@ -427,7 +427,7 @@ class ColumnSet:
             raise SchemaError(f"key {c.name!r} is a nested (jagged) tensor but the store holds it with fixed "
                               f"shape {c.shape}; write dense rows, or a store that declares it in ragged_keys")
         if type(t) is _NestedTensor and t._lengths is None and t._ragged_idx == 1 and t._values.dim() == 1:
-            values, offsets = t._values, t._offsets  # read directly: each call through the subclass costs ~20 us
+            values, offsets = t._values, t._offsets  # read directly: a call through the subclass is slow
         else:
             if t.dim() != 2:
                 raise SchemaError(f"key {c.name!r}: only [rows, j] jagged tensors can be written; got {t.dim()}-D")

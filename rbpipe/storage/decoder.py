@@ -10,8 +10,8 @@ of the mapped files where possible); a text column as UTF-8 bytes parts. Output,
 * ``"rows"``: a ``LazyStackedTensorDict`` of one TensorDict per row (torchrl's LLM convention).
 
 TensorDicts are assembled without validation: shapes and dtypes come from the store's schema, and
-``TensorDict(...)`` checks every leaf (in the rows layout ``unbind`` plus per-row ``set`` cost about 25 us a
-row, which dominated sampling). Nothing here touches a file or the commit log.
+``TensorDict(...)`` checks every leaf (in the rows layout, ``unbind`` plus a checked ``set`` per row dominated
+sampling; figures: docs/DESIGN.md, Figures behind code choices). Nothing here touches a file or the commit log.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """Concatenate whole stored blocks (groups) column by column with one multi-threaded copy.
 
-Why: sampling 16 whole LLM groups means copying ~20 scattered ranges per field (1-2 MB) into one tensor
-per field. numpy copies them on one core; torchrl's ``LazyMemmapStorage`` gathers its padded rows with
-torch's OpenMP threads. This module copies every range of every column in one parallel loop (a numba
-``prange`` on numba's OpenMP layer, whose workers keep spinning between calls, so a sample every few
-hundred microseconds does not pay a thread wake-up each time; a sleeping pool cost ~85 us per wake-up on
-the 2-vCPU VMs this was measured on, more than the copy saves).
+Why: sampling whole LLM groups means copying scattered ranges per field into one tensor per field. numpy copies them on
+one core; torchrl's ``LazyMemmapStorage`` gathers its padded rows with torch's OpenMP threads. This module copies every
+range of every column in one parallel loop (a numba ``prange`` on numba's OpenMP layer, whose workers keep spinning
+between calls, so a sample every few hundred microseconds does not pay a thread wake-up each time: on small VMs a
+sleeping pool's wake-up cost more than the copy saves; figures: docs/DESIGN.md, Figures behind code choices).
 
 The numpy path (one ``np.concatenate`` per field) is used instead when the process runs torch on one thread
-(one copy thread: numpy copies as fast, 1.07 against 1.08-1.12 ms for 64 demo rows, and importing numba's
-kernels took 0.6-1.0 s of a learner's start-up), when numba is not installed, when numba
-ended up on its ``workqueue`` layer (sleeping workers), in a forked child of the process that started the
-threads (GNU OpenMP is not fork-safe), and when ``RBPIPE_PARALLEL_GATHER=0``. Both paths return the same
+(one copy thread: numpy copies as fast, and importing numba's kernels would only lengthen a learner's
+start-up; figures: docs/DESIGN.md, Figures behind code choices), when numba is not installed, when numba ended
+up on its ``workqueue`` layer (sleeping workers), in a forked child of the process that started the threads
+(GNU OpenMP is not fork-safe), and when ``RBPIPE_PARALLEL_GATHER=0``. Both paths return the same
 bytes (``tests/storage/test_gather.py``). ``pad_ragged`` fills the rows of ``ragged_layout="padded"`` reads
 the same way.
 """

@@ -35,7 +35,7 @@ def roll_bytes(live_bytes: int) -> int:
 
 def data_bytes(path: str | os.PathLike) -> int:
     """Bytes allocated on disk to group data (Arrow segments, Zarr chunks): sparse chunk files count only
-    what was written. The commit log and catalogue (about 1 KB per group ever committed) are not data."""
+    what was written. The commit log and catalogue (a small record per group ever committed) are not data."""
     total = 0
     for sub in (SEGMENTS_DIR, ZARR_DIR):
         for root, _, files in os.walk(Path(path) / sub):

@@ -33,7 +33,7 @@ MAX_CHUNKS = 2 ** 18  # chunks per array (zarr indexing cost grows with the chun
 VALUE_CHUNK = 2 ** 18  # values per chunk of a ragged field's values array
 RESERVE_GROUPS = 32  # groups' worth of rows/values a writer process reserves per allocator visit
 MAX_CHUNK_BYTES = 8 * 2 ** 20  # row chunks hold RESERVE_GROUPS first-size groups, fewer if rows are wide
-OPEN_CHUNKS = 64  # chunk files a process keeps open (creating or opening a file costs ~0.2 ms)
+OPEN_CHUNKS = 64  # chunk files a process keeps open (creating or opening a file is costly)
 ALLOC_FILE = "zarr_alloc.json"
 
 
@@ -368,8 +368,8 @@ class ZarrBackend(Backend):
 
         Our arrays are uncompressed with zarr's default chunk keys, so a chunk *is* its raw little-endian
         bytes at ``NAME/c/I/0/...`` (Zarr v3 spec, ``bytes`` codec) and the rows are written in place in the
-        chunk file: a ``pwrite`` instead of zarr-python's ~0.5-1 ms per indexing call. Any other array
-        layout (made by another tool) goes through zarr."""
+        chunk file: a ``pwrite`` instead of a far costlier zarr-python indexing call (figures: docs/DESIGN.md, Figures
+        behind code choices). Any other array layout (made by another tool) goes through zarr."""
         raw = self._raw_chunks(name)
         if raw is None:
             self._arr(name)[start:start + len(data)] = data
@@ -492,8 +492,9 @@ class ZarrBackend(Backend):
 
     def gather(self, block, local_rows, keys=None) -> dict:
         """Rows of one group. The group's columns are read whole (they are whole chunks) and kept in a
-        bounded LRU cache of decoded groups: zarr-python pays ~0.3 ms per indexing call and keeps no
-        cache, and committed groups never change, so a warm sample costs numpy slicing only."""
+        bounded LRU cache of decoded groups: zarr-python pays a fixed cost per indexing call and keeps no
+        cache (figures: docs/DESIGN.md, Figures behind code choices), and committed groups never change, so a warm
+        sample costs numpy slicing only."""
         if block is None:
             return empty_columns(self.schema.columns)
         rows = np.asarray(local_rows, np.int64) - block

@@ -88,8 +88,8 @@ def die_with_parent(parent_pid: int | None, *, poll_s: float = 0.5, deathsig: bo
 
 
 def shared_memory_dir() -> str | None:
-    """``/dev/shm`` when it is a writable directory (RAM-backed: creating a file there costs ~5 us against ~80 us
-    on ext4, which allocates and journals an inode), else None."""
+    """``/dev/shm`` when it is a writable directory (RAM-backed: creating a file there is much cheaper than on
+    ext4, which allocates and journals an inode; figures: docs/DESIGN.md, Figures behind code choices), else None."""
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
@@ -264,8 +264,9 @@ def _signals_blocked(*signums: int) -> Iterator[None]:
 
 
 #: What the fork server imports once, so that every worker (and the grouping manager) starts as a fork of an
-#: interpreter that has them: importing torch, torchrl and transformers costs ~4 s of CPU per process, and a
-#: run's four children importing them at once on 2 cores took ~10 s before any of them did work.
+#: interpreter that has them: importing torch, torchrl and transformers costs seconds of CPU per process, and
+#: a run's children importing them at once on 2 cores waited far longer before any did work (figures: docs/DESIGN.md,
+#: Figures behind code choices).
 WORKER_PRELOAD = ("rbpipe.workers.learner", "rbpipe.workers.collector", "rbpipe.grouping.manager",
                   "rbpipe.demo.policy", "transformers.models.qwen2.modeling_qwen2")
 
@@ -348,18 +349,17 @@ def _parent_pid() -> int | None:
 
 
 #: Allocations between young-generation collections (Python's default is 700): a learner step allocates
-#: ~4,000 tracked objects, nearly all freed by reference counting before a collection would see them
+#: a few thousand tracked objects, nearly all freed by reference counting before a collection would see them
 GC_YOUNG_THRESHOLD = 10_000
 
 
 def settle_heap() -> None:
     """End of a worker's start-up: keep what start-up built (modules, the model, compiled kernels) out of
-    every later garbage collection (``gc.freeze``; without a collection first, which walks that heap too:
-    0.3 s, and what it would free is start-up's few garbage objects), and collect the young generation less
-    often. A full collection otherwise walks that whole heap: ~300 ms each, three in a 10 s demo run of the
-    learner, stalling the step it lands in (in a collector or the manager: the learner, waiting for its
-    groups). Measured on the demo learner: 1.05 s of a 10.5 s run in collections (three full ones: 0.89 s);
-    frozen, 0.33 s in 200 steps (1,120 young collections); with the threshold too, 0.05 s (11)."""
+    every later garbage collection (``gc.freeze``; without a collection first, which walks that heap too,
+    and what it would free is start-up's few garbage objects), and collect the young generation less often.
+    A full collection otherwise walks that whole heap, stalling the step it lands in (in a collector or the
+    manager: the learner, waiting for its groups); freezing, then the threshold, cut the learner's time in
+    collections to a small fraction (figures: docs/DESIGN.md, Figures behind code choices)."""
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 

@@ -1,6 +1,6 @@
 """The learner's stop: SIGTERM ends the step in progress at a point where abandoning it is safe.
 
-A learner step of a real model takes seconds (~20 s for a 135M-parameter model on 2 cores); the launcher cannot
+A learner step of a real model takes seconds (figures: docs/DESIGN.md, Figures behind code choices); the launcher cannot
 wait for every step to end before it stops a run, and a learner killed mid-step leaves no checkpoint of its last
 finished step. So SIGTERM only sets a flag, and the step checks it where nothing is half done: before each
 module's forward pass and just before the optimizer updates the weights (an optimizer step pre-hook). There the

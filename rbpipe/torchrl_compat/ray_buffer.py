@@ -1,10 +1,10 @@
 """Shutting torchrl's ``RayReplayBuffer`` down without leaving anything in ``/dev/shm``.
 
 Why: ``RayReplayBuffer.shutdown()`` (torchrl 0.14.1) is a ``ray.kill`` of the buffer's actor. Killed, the actor's
-process never unlinks the named semaphores of its buffer's locks: 4 ``sem.mp-*`` files stay in ``/dev/shm`` per
-buffer (measured). A clean exit of the actor first (``__ray_terminate__``: it finishes the calls it holds, then
-exits through the interpreter's exit hooks) unlinks them. Used where rbpipe runs the recipe's own buffer beside
-its handle: ``bench/torchrl_buffer.py`` and the differential test.
+process never unlinks the named semaphores of its buffer's locks: ``sem.mp-*`` files stay in ``/dev/shm`` for
+every buffer (figures: docs/DESIGN.md, Figures behind code choices). A clean exit of the actor first
+(``__ray_terminate__``: it finishes the calls it holds, then exits through the interpreter's exit hooks) unlinks them.
+Used where rbpipe runs the recipe's own buffer beside its handle: ``bench/torchrl_buffer.py`` and the differential test.
 """
 
 from __future__ import annotations

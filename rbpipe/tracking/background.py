@@ -1,9 +1,9 @@
 """Run a process's bookkeeping (metrics lines, logger scalars, checkpoint files) on one thread beside its work.
 
 The learner's loss, backward and optimizer step must not wait for files: writing a step's metrics, its
-logger scalars and (every few steps) a fsynced checkpoint took ~3 ms of a ~60 ms step on 2 cores. Here they
-run in submission order on one daemon thread while the next step trains; the thread's file writes and
-fsyncs release the GIL.
+logger scalars and (every few steps) a fsynced checkpoint took a visible part of each step on 2 cores (figures:
+docs/DESIGN.md, Figures behind code choices). Here they run in submission order on one daemon thread while the next step
+trains; the thread's file writes and fsyncs release the GIL.
 """
 
 from __future__ import annotations

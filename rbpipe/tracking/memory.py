@@ -1,11 +1,11 @@
 """Each process's peak resident memory, for ``summary.json``'s ``peak_rss_mb``.
 
-A real model makes memory the first limit a run meets (SmolLM2-135M's learner: its weights, gradients and Adam
-states alone are ~2.2 GB), and the peak of a process is gone with it: so every worker records its own peak
-(``VmHWM``, the kernel's high-water mark of its resident set) as a small file under ``RUN_DIR/memory/`` while it
-runs, and the service reads them when it writes the summary. Workers on other hosts (Ray) write there too: the
-run directory is shared. A file is rewritten only when the peak grew by a megabyte or more, so the learner's
-per-step check costs one read of ``/proc/self/status``.
+A real model makes memory the first limit a run meets (a learner's weights, gradients and Adam states alone are
+several times the model's size; figures: docs/DESIGN.md, Figures behind code choices), and the peak of a process is gone
+with it: so every worker records its own peak (``VmHWM``, the kernel's high-water mark of its resident set) as a small
+file under ``RUN_DIR/memory/`` while it runs, and the service reads them when it writes the summary. Workers on other
+hosts (Ray) write there too: the run directory is shared. A file is rewritten only when the peak grew by a megabyte or
+more, so the learner's per-step check costs one read of ``/proc/self/status``.
 """
 
 from __future__ import annotations

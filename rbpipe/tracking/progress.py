@@ -1,6 +1,6 @@
 """What ``rbpipe run``'s progress line says: the phase the run is in, and figures with one unit per column.
 
-The first 15-30 s of a run (spawning interpreters that import torch, compiling the numba kernels, waiting for
+The first seconds of a run (spawning interpreters that import torch, compiling the numba kernels, waiting for
 the first whole groups) used to sit at 0% without a word, and the loss (near zero by construction with
 group-normalised advantages and one update per batch) read as "training is broken". The line now names the
 phase and shows the figures that move: reward, clip fraction, KL and entropy.

@@ -18,7 +18,7 @@ from rbpipe.system.fsutil import atomic_write
 from rbpipe.view.page import render_page
 from rbpipe.view.source import StoreView
 
-#: groups a file holds by default: ~2 KB each with its members, a file of tens of MB at most
+#: groups a file holds by default: a file of bounded size (figures: docs/DESIGN.md, Figures behind code choices)
 DEFAULT_LIMIT = 10_000
 
 

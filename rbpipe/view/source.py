@@ -111,7 +111,7 @@ class StoreView:
         self._base: pa.Table | None = None
         self._pending: list[dict] = []  # group records read from the log, not yet in ``_base``
         self._moved = False
-        self._con: Any = None  # one DuckDB connection (each new one costs ~80 ms)
+        self._con: Any = None  # one DuckDB connection (a new one is slow to open)
         self._trajectories: tuple[tuple[int, int], pa.Table] | None = None
         self._prompts: OrderedDict[int, tuple[str, Any]] = OrderedDict()
         self._reader: MemberReader | None = None
@@ -121,7 +121,8 @@ class StoreView:
         """Read what writers committed since the last call (one ``stat`` when nothing); True if anything.
 
         The ``groups`` table grows by the new records only: rebuilding it from the whole log at every commit
-        cost ~0.3 s per 1,000 groups, which a poll every 1.5 s during a run would pay again and again."""
+        costs in proportion to the log, which a poll every 1.5 s during a run would pay again and again (figures:
+        docs/DESIGN.md, Figures behind code choices)."""
         log_path = self.store / "commits.jsonl"
         with self._lock:
             try:

@@ -33,7 +33,7 @@ claims = list(t.process(traj(0, 5, [1.0]))) + list(t.process(traj(1, 5, [0.0])))
 assert len(claims) == 1, claims
 if args["mode"] == "close":
     t.close()
-print(json.dumps({"pid": os.getpid(), "claim": claims[0].claim_id, "lease": t.lease_token()}), flush=True)
+print(json.dumps({"pid": os.getpid(), "claim": claims[0].commit_id, "lease": t.lease_token()}), flush=True)
 if args["mode"] != "exit":
     time.sleep(600)
 """
@@ -103,8 +103,8 @@ def _append_as(t: SharedMCAdvantage, owner, td) -> dict:
                 False)
 
 
-def _write_once(t: SharedMCAdvantage, claims: list, claim_id: str) -> None:
-    assert [c.claim_id for c in claims] == [claim_id] and claims[0].recovered
+def _write_once(t: SharedMCAdvantage, claims: list, commit_id: str) -> None:
+    assert [c.commit_id for c in claims] == [commit_id] and claims[0].recovered
     t.confirm(claims[0])
     stats = t.get_stats()
     assert stats["written_groups"] == 1 and stats["queued_trajectories"] == 0
@@ -191,7 +191,7 @@ def test_a_clean_leave_hands_its_claim_on_at_once(tmp_path, monkeypatch, mode):
             if mode == "exit":
                 assert proc.wait(30) == 0
             claims = recover_within(t, 60)
-            assert [c.claim_id for c in claims] == [info["claim"]]
+            assert [c.commit_id for c in claims] == [info["claim"]]
             t.confirm(claims[0])
         finally:
             _stop(proc)

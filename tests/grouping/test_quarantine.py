@@ -4,6 +4,7 @@ storage is refused before it reserves rows, so nothing half-written is ever insi
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from rbpipe.errors import BadTrajectoryError, RbpipeError
 from rbpipe.grouping import registry as _registry
 from rbpipe.grouping.manager import call
 from rbpipe.grouping.registry import encode_tensor
+from rbpipe.grouping.staging import read_quarantine_record
 from rbpipe.storage import ArrowStorage
 from tests.grouping.helpers import MINIMAL_KEYS, traj
 
@@ -59,8 +61,10 @@ def _assert_quarantined(transform, reason: str) -> None:
     assert transform.drop_reasons()["quarantined"] == 1
     (record,) = transform.quarantined()
     assert reason in record["reason"] and record["group"] == POISON and len(record["handles"]) == 2
-    kept = transform.staging.path / "quarantine" / record["claim_id"]
+    kept = transform.staging.path / "quarantine" / record["commit_id"]
     assert sorted(p.suffix for p in kept.iterdir()) == [".json", ".td", ".td"]  # payloads and reason, inspectable
+    on_disk = read_quarantine_record(kept)
+    assert on_disk["commit_id"] == record["commit_id"] and "claim_id" not in on_disk
     assert transform.staging.handles() == []  # out of the staging namespace: a resume does not queue it again
 
 
@@ -236,3 +240,17 @@ def test_groups_stored_by_a_writer_killed_before_confirming_are_confirmed_at_the
     assert stats["written_groups"] == 2 and stats["queued_trajectories"] == 2  # the unwritten claim stays queued
     assert 6 == len(storage) + stats["queued_trajectories"] + 2 * stats["dropped_groups"]  # conservation
     assert buffer.confirm_stored() == 0
+
+
+def test_a_quarantine_record_written_before_the_rename_is_read_with_its_commit_id(tmp_path):
+    """``reason.json`` named the id ``claim_id`` before it was ``commit_id``: a quarantine an earlier version left
+    (e.g. in the staging directory of a run being resumed) still reads, with the new key."""
+    kept = tmp_path / "quarantine" / ("ab" * 16)
+    kept.mkdir(parents=True)
+    old = {"claim_id": "ab" * 16, "group": 7, "reason": "disk full", "handles": ["1-abcdef12/0.td"], "rows": None,
+           "time": 1.0}
+    (kept / "reason.json").write_text(json.dumps(old))
+    record = read_quarantine_record(kept)
+    assert record == {**{k: v for k, v in old.items() if k != "claim_id"}, "commit_id": "ab" * 16}
+    (kept / "reason.json").write_text(json.dumps(record))  # what this version writes reads back as it is
+    assert read_quarantine_record(kept) == record

@@ -169,7 +169,7 @@ def _feed(host: ShardHost) -> dict:
     for i, group in enumerate([7, "prompt-a", (3, 4), 7, "prompt-a", (3, 4), (3, 4), 9]):
         out = host.call("r", "append", (group, f"h{i}", _reward(float(i), 1.0), token, False), {})
         if out["status"] == "write":
-            done.append(out["claim_id"])
+            done.append(out["commit_id"])
     assert len(done) == 3
     assert host.call("r", "confirm", (done[0],), {}) is True
     assert host.call("r", "quarantine", (done[1], "disk full"), {})["reason"] == "disk full"
@@ -179,7 +179,7 @@ def _feed(host: ShardHost) -> dict:
 def _state(host: ShardHost) -> tuple:
     reg = host.registries["r"]
     shard = reg._shards[0]
-    return (reg.get_stats(), sorted(reg._claims), reg.drop_reasons(), [q["claim_id"] for q in reg.quarantined()],
+    return (reg.get_stats(), sorted(reg._claims), reg.drop_reasons(), [q["commit_id"] for q in reg.quarantined()],
             {group: [h for _, h, _ in shard.members[gid]] for group, gid in shard.group_ids.items()})
 
 

@@ -291,7 +291,14 @@ class RayWeights:
     """The policy's weights through Ray's object store: the publisher makes one ``ray.put`` per version and
     hands the ref to the coordinator; readers fetch the latest ref and its object (from their node's store).
     A version whose object was lost with its owner (a killed learner) is skipped: readers keep the weights they
-    have until the next version."""
+    have until the next version.
+
+    The object is ``(dtypes, arrays)``: per parameter, its dtype's name and a byte view of it as a numpy array
+    (no copy for a parameter on the CPU). Ray pickles numpy arrays with protocol 5's out-of-band buffers and
+    copies each straight into the object store, so a publish makes no whole-vector copy in the learner (a
+    concatenated vector would be one, as large as the model, as :class:`~rbpipe.service.weights.SharedWeights`
+    avoids too). Readers cast each parameter to their own dtype, as from a flat float32 vector (which they still
+    read)."""
 
     path = None
 
@@ -308,9 +315,7 @@ class RayWeights:
         return int(_get(self._coordinator.weights_version.remote(), "coordinator")[1])
 
     def publish(self, model, *, version: int, learner_step: int | None = None) -> None:
-        from rbpipe.demo.policy import flat_parameters
-
-        ref = _ray().put(flat_parameters(model).detach().clone())
+        ref = _ray().put(parameter_buffers(model))
         self._refs = [ref]
         _get(self._coordinator.set_weights.remote(int(version), learner_step, [ref]), "coordinator")
 
@@ -322,12 +327,47 @@ class RayWeights:
         if not refs:
             raise TimeoutError("no weights published yet")
         try:
-            flat = ray.get(refs[0], timeout=timeout)
+            published = ray.get(refs[0], timeout=timeout)
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
             return getattr(self, "_loaded", 0)
-        load_flat_parameters(model, flat)
+        if not isinstance(published, tuple):  # a torch.Tensor: one flat float32 vector (what publishers wrote before)
+            load_flat_parameters(model, published)
+        else:
+            load_parameter_buffers(model, published)
         self._loaded = version
         return version
 
     def unlink(self) -> None:
         self._refs = []
+
+
+def parameter_buffers(model) -> tuple[list[str], list]:
+    """``model``'s parameters as ``(dtype names, numpy byte views)``, one of each per parameter: views of the
+    parameters themselves on the CPU (a parameter elsewhere is brought over, one at a time), whatever their dtype
+    (bfloat16 has no numpy dtype: its bytes do)."""
+    import torch
+
+    dtypes, arrays = [], []
+    for p in model.parameters():
+        t = p.detach().reshape(-1)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        dtypes.append(str(t.dtype).removeprefix("torch."))
+        arrays.append(t.view(torch.uint8).numpy())
+    return dtypes, arrays
+
+
+def load_parameter_buffers(model, published: tuple[list[str], list]) -> None:
+    """Copy what :func:`parameter_buffers` published into ``model``, cast to each parameter's dtype and device."""
+    import warnings
+
+    import torch
+
+    dtypes, arrays = published
+    params = list(model.parameters())
+    if len(params) != len(arrays):
+        raise ValueError(f"the published weights hold {len(arrays)} parameters, the model has {len(params)}")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the object store's arrays are read-only: only read here
+        for p, dtype, array in zip(params, dtypes, arrays, strict=True):
+            p.copy_(torch.from_numpy(array).view(getattr(torch, dtype)).view_as(p))

@@ -37,10 +37,10 @@ def _registry_class():
     from rbpipe.grouping.registry import GroupRegistry
 
     class ShardRegistry(GroupRegistry):
-        """A registry whose claim ids derive from the members' handles: a group formed again when a restarted
+        """A registry whose commit ids derive from the members' handles: a group formed again when a restarted
         shard replays its log keeps its id, and the store's commits are idempotent by id."""
 
-        def _claim_id(self, members) -> str:
+        def _commit_id(self, members) -> str:
             import hashlib
 
             return hashlib.sha1("\0".join(sorted(h for _, h, _ in members)).encode()).hexdigest()[:32]
@@ -308,8 +308,8 @@ class ShardedRegistry(_Proxy):
 
     def _remember(self, index: int, decisions: list[dict]) -> None:
         for decision in decisions:
-            if "claim_id" in decision:
-                self._claim_shard[decision["claim_id"]] = index
+            if "commit_id" in decision:
+                self._claim_shard[decision["commit_id"]] = index
 
     def _callmethod(self, method: str, args=(), kwargs=None):
         args, kwargs = tuple(args), dict(kwargs or {})
@@ -345,20 +345,20 @@ class ShardedRegistry(_Proxy):
         """Item by item, each to its group's shard (a shard logs and dedupes appends one by one)."""
         return [self._do_append(group, handle, reward, owner, reserve_rows) for group, handle, reward in items]
 
-    def _do_confirm(self, claim_id: str) -> bool:
-        index = self._claim_shard.pop(claim_id, None)
+    def _do_confirm(self, commit_id: str) -> bool:
+        index = self._claim_shard.pop(commit_id, None)
         if index is not None:
-            return self._one(index, "confirm", claim_id)
-        return any(self._all("confirm", claim_id))
+            return self._one(index, "confirm", commit_id)
+        return any(self._all("confirm", commit_id))
 
-    def _do_confirm_many(self, claim_ids: list[str], owner=None) -> list[bool]:  # owner: not checked here
-        return [self._do_confirm(claim_id) for claim_id in claim_ids]
+    def _do_confirm_many(self, commit_ids: list[str], owner=None) -> list[bool]:  # owner: not checked here
+        return [self._do_confirm(commit_id) for commit_id in commit_ids]
 
-    def _do_quarantine(self, claim_id: str, reason: str, owner=None):  # owner: not checked here
-        index = self._claim_shard.pop(claim_id, None)
+    def _do_quarantine(self, commit_id: str, reason: str, owner=None):  # owner: not checked here
+        index = self._claim_shard.pop(commit_id, None)
         if index is not None:
-            return self._one(index, "quarantine", claim_id, reason)
-        return next((r for r in self._all("quarantine", claim_id, reason) if r is not None), None)
+            return self._one(index, "quarantine", commit_id, reason)
+        return next((r for r in self._all("quarantine", commit_id, reason) if r is not None), None)
 
     def _do_recover(self, owner, force: bool = False) -> list[dict]:
         taken = []

@@ -435,7 +435,10 @@ class GroupStorage(Storage):
             try:
                 return read(rows, view)
             except FileNotFoundError as err:
-                rows, view = self._remap(rows, view, err)
+                rows, moved = self._remap(rows, view, err)
+                if view is self._view and moved.same_numbering(view):
+                    self._view = moved  # files moved, numbering kept: later reads go there at once
+                view = moved
         raise StaleReadError(f"the groups read from {self.path} kept moving (compactions); draw again")
 
     def _remap(self, rows: np.ndarray, view: View, err: FileNotFoundError) -> tuple[np.ndarray, View]:

@@ -28,6 +28,12 @@ class View(NamedTuple):
     def arrays(self) -> tuple[np.ndarray, ...]:
         return self.seqs, self.starts, self.stops, self.blocks, self.local
 
+    def same_numbering(self, other: View) -> bool:
+        """Whether ``other`` names the same groups by the same row numbers (a compaction moved their files and
+        evicted nothing): rows drawn from one read the same groups under the other."""
+        return (self.rows == other.rows and np.array_equal(self.seqs, other.seqs)
+                and np.array_equal(self.starts, other.starts))
+
 
 class GroupIndex:
     """Growable columns over committed groups in commit order: seq, rows, cumulative rows, block, local row.

@@ -104,6 +104,27 @@ def test_reads_follow_a_compaction_that_deleted_their_segments(tmp_path):
     assert _exact(reader.get(idx), [(2, 3), (0, 3)])
 
 
+def test_a_compaction_costs_a_reader_one_relookup_not_one_per_read(tmp_path, monkeypatch):
+    """A compaction moves groups to other files and renumbers nothing: the first read that finds a file gone
+    looks the groups up again, and the reader keeps that lookup (same numbering), so its next reads go to the
+    new file at once. An eviction renumbers the rows: there each read keeps its own numbering (the test above
+    and ``test_groups_the_sampler_drew_read_back_even_if_evicted_before_the_read``)."""
+    writers = [ArrowStorage(tmp_path / "s") for _ in range(2)]
+    for g in range(4):
+        writers[g % 2].append_group(_group(g, 3))
+    for w in writers:
+        w.close()
+    reader = ArrowStorage(tmp_path / "s")
+    assert len(reader) == 12
+    assert ArrowStorage(tmp_path / "s").compact() == 4
+    lookups = []
+    real = ArrowStorage._remap
+    monkeypatch.setattr(ArrowStorage, "_remap", lambda self, *a: lookups.append(1) or real(self, *a))
+    for _ in range(3):
+        assert _exact(reader.get(torch.tensor([6, 7, 8, 0, 1, 2])), [(2, 3), (0, 3)])
+    assert len(lookups) == 1
+
+
 def test_sampler_redraws_when_its_groups_vanish_before_they_are_held(tmp_path, monkeypatch):
     s = ArrowStorage(tmp_path / "s")
     for g in range(4):

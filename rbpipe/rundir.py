@@ -42,6 +42,9 @@ RAY_WORKERS = "ray_workers.json"
 #: ``--engine ray``: a service's registry shards log under ``<8 hex digits>-shards/shard-<index>.log``
 SHARD_LOGS = "{prefix}shards"
 SHARD_LOG = "shard-{index}.log"
+#: In the shards' log directory: what the coordinator actor was configured with (plain JSON), so that a
+#: coordinator Ray restarts configures itself again (its state comes from ``prompts.json``).
+COORDINATOR_SETTINGS = "coordinator.json"
 
 #: What a resumed run (``rbpipe run --resume``, ``rbpipe serve`` on a run directory) reads back, in this order,
 #: and why the order. Each entry: (the state, where it is, what reading it does).
@@ -50,11 +53,13 @@ RESUME_ORDER = (
      "everything later is checked against it"),
     ("checkpoint", CHECKPOINT, "validated before anything starts (a bad file is refused, nothing written)"),
     ("shard logs", SHARD_LOGS, "--engine ray: a killed session's are removed, not replayed (the staging area "
-     "below holds what they held); a live session replays them only when Ray restarts a shard"),
+     "below holds what they held); a live session replays them only when Ray restarts a shard (and reads "
+     f"{COORDINATOR_SETTINGS} there when Ray restarts its coordinator)"),
     ("staging", f"{STORE}/{STAGING}", "trajectories not yet in a committed group are queued again, torn files "
      "set aside"),
     ("prompts journal", f"{PROMPTS} + {PROMPTS}.journal", "the coordinator's units, reconciled with what the "
-     "staging area held so that no unit is owed twice"),
+     "staging area held so that no unit is owed twice (its \"live\" entry is read only by a coordinator Ray "
+     "restarts within the same session)"),
     ("checkpoint", CHECKPOINT, "the policy and its version are published to collectors; metrics past its "
      f"step are dropped from {METRICS} (those steps are trained again)"),
 )

@@ -62,6 +62,9 @@ class Coordinator:
             once: its first groups mix them too); 1 for a service whose collectors come when they like.
         registry: the registry whose dropped groups also move the band on.
         stats_cache_s: how long its counters are reused (they are read on every change; fresh at close).
+        restarted: this service's coordinator again, after its process died (the Ray engine restarts its actor):
+            the live service's state comes back from ``prompts.json`` whole (units still held by their
+            collectors, collector ids, the learner's progress, the band's file), not as a resume would take it.
 
     Examples:
         >>> import tempfile
@@ -79,14 +82,16 @@ class Coordinator:
     exposed = COORDINATOR_EXPOSED
 
     def __init__(self, samples_per_prompt: int, unit_size: int, limiter: dict, state_dir: str,
-                 expect_collectors: int = 1, registry=None, stats_cache_s: float = STATS_CACHE_S) -> None:
+                 expect_collectors: int = 1, registry=None, stats_cache_s: float = STATS_CACHE_S,
+                 restarted: bool = False) -> None:
         self.samples_per_prompt = int(samples_per_prompt)
         self.unit_size = max(1, min(int(unit_size), self.samples_per_prompt))
         self._state = StateJournal(Path(state_dir) / PROMPTS)
         self._registry = None if registry is None else CachedStats(registry, stats_cache_s)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # what a waiting take_many waits for: the band moved
-        self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / RATE_LIMIT, create=True)
+        # a restarted coordinator reopens the band's file: its counters are the live service's
+        self._limiter = RateLimiter(**limiter, writers=1, path=Path(state_dir) / RATE_LIMIT, create=not restarted)
         self._expect = max(1, int(expect_collectors))
         self.next_prompt = 0
         self._pool: dict[int, int] = {}  # open prompt -> samples nobody generates yet (insertion = age order)
@@ -107,11 +112,13 @@ class Coordinator:
         self._endpoint: dict = {}
         self._stop = False
         self._closed = False
-        self._load()
+        self._load(restarted)
 
     # -- persistence -------------------------------------------------------------------------------------------
-    def _load(self) -> None:
-        """A resumed service: the prompts still owed (units of workers of the last session return to the pool)."""
+    def _load(self, restarted: bool = False) -> None:
+        """A resumed service: the prompts still owed (units of workers of the last session return to the pool).
+        A restarted one (``restarted``): the same service goes on, so the units its collectors hold stay theirs,
+        and its counters are the session's (the shards, which lived on, count their dropped groups)."""
         state = self._state.load()
         if state is None:
             return
@@ -119,15 +126,45 @@ class Coordinator:
         self._pool = {int(p): int(n) for p, n in state.get("todo", {}).items() if int(n) > 0}
         self._totals.update({k: int(v) for k, v in state.get("totals", {}).items() if k in self._totals})
         self._reasons = {str(k): int(v) for k, v in state.get("rejected_reasons", {}).items()}
+        if restarted and "live" in state:
+            self._restore_live(state["live"])
         self._limiter.set_inserted(0, self.next_prompt)
         self._limiter.set_samples(1, self._totals["dropped_groups"])
+
+    def _restore_live(self, live: dict) -> None:
+        """What :meth:`_share_out` saved of the live service under ``"live"``: the units each collector holds
+        (taken out of the pool, which counts them as owed), collector ids, the learner. The holders' leases are
+        taken in as live for one time to live (the service's lease table restarted empty): a collector that still
+        lives renews it, one that died loses its units then, as it would have. The session's counters and the
+        earlier sessions' totals come back apart, as they were (the summary balances the session's alone)."""
+        self._totals.update({k: int(v) for k, v in live.get("totals", {}).items() if k in self._totals})
+        self._counts.update({k: int(v) for k, v in live.get("counts", {}).items() if k in self._counts})
+        for prompt, lease, n in live.get("units", []):
+            prompt, n = int(prompt), int(n)
+            self._units[(prompt, lease)] = n
+            self._shares.setdefault(prompt, set()).add(lease)
+            left = self._pool.get(prompt, 0) - n
+            if left > 0:
+                self._pool[prompt] = left
+            else:
+                self._pool.pop(prompt, None)
+        self._ids = {str(lease): int(i) for lease, i in live.get("ids", {}).items()}
+        self._next_id = int(live.get("next_id", 0))
+        self._holders = set(self._ids)
+        self._joined = set(self._ids) | set(live.get("joined", []))
+        self._learner.update({k: v for k, v in live.get("learner", {}).items() if k in LEARNER_FIELDS})
+        self._learner_lease = live.get("learner_lease")
+        self._endpoint = dict(live.get("endpoint", {}))
+        for lease in self._holders | {self._learner_lease} - {None}:
+            LEASES.adopt(lease)
 
     def _dropped(self, fresh: bool = False) -> int:
         stats = self._registry.get_stats(fresh) if self._registry is not None else {}
         return self._totals["dropped_groups"] + int(stats.get("dropped_groups", 0))
 
     def _save(self, fresh: bool = False) -> None:
-        self._state.save(self._share_out(fresh))
+        if not self._closed:  # after close, prompts.json alone holds the final state (no journal again)
+            self._state.save(self._share_out(fresh))
 
     def _share_out(self, fresh: bool = False) -> dict:
         """What a resumed service continues from: the next new prompt, the samples still owed, the counters."""
@@ -137,8 +174,13 @@ class Coordinator:
         totals = {"produced": self._totals["produced"] + self._counts["produced"],
                   "rejected": self._totals["rejected"] + self._counts["rejected"],
                   "dropped_groups": self._dropped(fresh)}
+        # "live": what a restarted coordinator of this same service takes back (a resume reads only the rest)
+        live = {"totals": dict(self._totals), "counts": dict(self._counts),
+                "units": [[p, lease, n] for (p, lease), n in self._units.items()],
+                "ids": dict(self._ids), "next_id": self._next_id, "joined": sorted(self._joined - set(self._ids)),
+                "learner": dict(self._learner), "learner_lease": self._learner_lease, "endpoint": self._endpoint}
         return {"next_prompt": self.next_prompt, "totals": totals, "rejected_reasons": dict(self._reasons),
-                "todo": {str(p): n for p, n in sorted(todo.items())}}
+                "todo": {str(p): n for p, n in sorted(todo.items())}, "live": live}
 
     # -- collectors --------------------------------------------------------------------------------------------
     def join(self, lease: str, collector_id: int | None = None) -> int:
@@ -151,6 +193,7 @@ class Coordinator:
             self._ids[lease] = int(collector_id)
             self._holders.add(lease)
             self._joined.add(lease)
+            self._save()  # its id and the start-up gate survive a restarted coordinator
             self._changed.notify_all()  # the start-up gate may open
             return int(collector_id)
 
@@ -182,7 +225,6 @@ class Coordinator:
 
     def _take_locked(self, lease: str, max_units: int) -> list[dict]:
         self._reclaim()
-        opened = self.next_prompt
         taken: dict[int, int] = {}  # prompt -> samples (a collector alone may get a prompt's units at once)
         for _ in range(max(1, int(max_units))):
             unit = self._pick(lease)
@@ -201,8 +243,9 @@ class Coordinator:
         if since is not None:
             self._counts["insert_blocked_ns"] += now - since
         self._counts["units"] += len(taken)
-        if self.next_prompt != opened:  # samples moved from the pool to units: the total owed changed only
-            self._save()                # where a new prompt opened
+        # saved at every take, not only where a new prompt opened (which changes the total owed): a restarted
+        # coordinator must know which collector holds which unit
+        self._save()
         return [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
 
     def _pick(self, lease: str) -> tuple[int, int] | None:
@@ -333,6 +376,7 @@ class Coordinator:
                         "learner trains a run: stop it first, or attach collectors instead")
             self._learner_lease = lease
             self._learner["done"] = 0
+            self._save()
             return None
 
     def report_learner(self, **fields) -> dict[str, float]:
@@ -343,6 +387,7 @@ class Coordinator:
         with self._lock:
             self._learner.update(fields)
             self._limiter.set_samples(0, int(self._learner["consumed_groups"]) + int(self._learner["stale_groups"]))
+            self._save()  # the learner's progress survives a restarted coordinator
             self._changed.notify_all()
         return self.timing()
 
@@ -362,6 +407,8 @@ class Coordinator:
             self._counts["rejected"] += int(rejected)
             self._counts["generate_ns"] += int(generate_ns)
             self._counts["handover_ns"] += int(handover_ns)
+            if produced or rejected or reasons:
+                self._save()  # the run's totals: a restarted coordinator must count every trajectory
 
     def timing(self) -> dict:
         """Collectors' seconds so far, all collectors together: generating, handing over, blocked by the band."""
@@ -390,7 +437,9 @@ class Coordinator:
 
     # -- the service's own description -------------------------------------------------------------------------
     def set_endpoint(self, endpoint: dict) -> None:
-        self._endpoint = dict(endpoint)
+        with self._lock:
+            self._endpoint = dict(endpoint)
+            self._save()
 
     def endpoint(self) -> dict:
         """What a worker attaching by ``HOST:PORT`` needs (the same as ``endpoint.json``, key aside)."""

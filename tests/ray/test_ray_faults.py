@@ -150,6 +150,36 @@ def test_registry_shard_killed_and_restarted_by_ray(ray_cluster, tmp_path):
     check_store(run_dir, summary)
 
 
+@pytest.mark.timeout(300)
+def test_coordinator_killed_and_restarted_by_ray(ray_cluster, tmp_path):
+    """Ray restarts a killed coordinator actor (``max_restarts``); it configures itself again from its saved
+    settings and takes the live service back from ``prompts.json`` (the units each collector holds, collector
+    ids, the session's counters, the learner's progress), takes the workers' leases in at their next renewal,
+    and Ray runs the calls the kill cut off again. The run goes on to its step cap and every trajectory is
+    counted: none lost, torn or stored twice, and no collector restarted."""
+    import ray
+
+    cluster, _ = ray_cluster
+    run_dir = tmp_path / "run"
+
+    def kill_coordinator(proc) -> None:
+        spec = json.loads((run_dir / "endpoint.json").read_text())["ray"]
+        coordinator = ray.get_actor(f"{spec['prefix']}rbpipe-coordinator", namespace=spec["namespace"])
+        pid = ray.get(coordinator.pid.remote())
+        ray.kill(coordinator, no_restart=False)
+        _wait_for(lambda: _try_pid(coordinator) not in (None, pid), 60, proc)  # Ray brought it back
+        assert ray.get(coordinator.__ray_call__.remote(lambda self: self.restarts)) == 1
+
+    # killed while the learner holds after its second step: the run outlives the coordinator's restart
+    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=8), run_dir, 2, "endpoint.json",
+                              kill_coordinator)
+    _check_summary(summary, 8)
+    assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0
+    assert summary["collectors"]["lost_leases"] == 0  # every collector kept its lease through the restart
+    assert not list(run_dir.glob("*shards"))  # the coordinator's settings go with the shards' logs
+    check_store(run_dir, summary)
+
+
 def _try_pid(actor):
     import ray
 

@@ -3,21 +3,24 @@ the weights through Ray's object store, and ``RayManager``, which starts or join
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from rbpipe.errors import ConfigError, ManagerDiedError
 from rbpipe.grouping.leases import LeaseAuthority
-from rbpipe.rundir import SHARD_LOGS
+from rbpipe.rundir import COORDINATOR_SETTINGS, SHARD_LOGS
 from rbpipe.service.ray.common import COORDINATOR_NAME, COORDINATOR_THREADS, SHARD_PREFIX, _get, _Proxy, _ray
 from rbpipe.service.ray.session import init_ray, use_loopback
 from rbpipe.service.ray.shards import RegistryAwaitsOptions, ShardedRegistry, ShardHost
 from rbpipe.system import fault_hooks
+from rbpipe.system.fsutil import atomic_write_json
 from rbpipe.timing import CLOSE_STATS_WAIT_S, RESTART_WAIT_S, STATS_WAIT_S
 from rbpipe.timing import RAY_STATS_CACHE_S as STATS_CACHE_S
 
@@ -42,6 +45,14 @@ def remove_session_logs(log_dir: str | os.PathLike[str]) -> list[str]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return removed
+
+
+def _reconstructed() -> bool:
+    """Whether this actor's process is a restart by Ray (asked only inside an actor)."""
+    try:
+        return bool(_ray().get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in an actor (a host built in process, in tests)
+        return False
 
 
 class LastKnownStats:
@@ -93,9 +104,17 @@ class CoordinatorHost(LeaseAuthority):
     a collector's ``take_many`` waits on the coordinator's condition for the band to move and is answered the
     moment the learner reports, while renewals and reports go on beside it. What it holds is locked: each
     :class:`~rbpipe.service.coordinator.Coordinator` by its own lock, the lease table by its, ``configure`` by
-    ``_configuring``; the weights' entry is replaced whole."""
+    ``_configuring``; the weights' entry is replaced whole.
 
-    def __init__(self, ttl_s: float) -> None:
+    Restarted by Ray when its process dies (with a log directory, as the shards are): ``configure`` saved its
+    settings in ``settings_path`` (plain JSON), and the new process configures each coordinator again from them
+    and from its ``prompts.json``, which holds the live service's state (``Coordinator(restarted=True)``). The
+    lease table restarted empty: for one time to live a lease it does not know is taken in when renewed, as a
+    restarted shard does. The weights come back with the learner's next publish; readers keep theirs meanwhile.
+    Calls in flight when it died are run again by Ray (``max_task_retries``).
+    """
+
+    def __init__(self, ttl_s: float, settings_path: str | None = None, service: dict | None = None) -> None:
         import torch
 
         from rbpipe.grouping.leases import LEASES
@@ -106,6 +125,49 @@ class CoordinatorHost(LeaseAuthority):
         self.coordinators: dict[str, Any] = {}
         self._configuring = threading.Lock()
         self.weights: tuple[int, int, list | None] = (0, 0, None)
+        self._settings_path = None if settings_path is None else Path(settings_path)
+        self._service = dict(service or {})  # namespace, prefix, shards, restart_wait_s: to reach the shards again
+        self._configured: dict[str, dict] = {}  # what configure was given, by coordinator name
+        self._grace_until = -1.0
+        self.restarts = 0
+        if self._settings_path is not None and self._settings_path.exists() and _reconstructed():
+            self._restore()
+
+    def _restore(self) -> None:
+        """(Ray restarted this actor.) Each coordinator again, from its saved settings and ``prompts.json``."""
+        from rbpipe.service.coordinator import Coordinator
+
+        saved = json.loads(self._settings_path.read_text())  # plain JSON: nothing read back is unpickled
+        self._service, self._configured = saved["service"], saved["coordinators"]
+        self.restarts = int(saved.get("restarts", 0)) + 1
+        self._grace_until = time.monotonic() + self._leases.ttl_s
+        for name, settings in self._configured.items():
+            self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(self._router(name)),
+                                                  stats_cache_s=STATS_CACHE_S, restarted=True)
+        self._save_settings()
+
+    def _router(self, name: str) -> ShardedRegistry:
+        ray, service = _ray(), self._service
+        shards = [ray.get_actor(f"{service['prefix']}{SHARD_PREFIX}{i}", namespace=service["namespace"])
+                  for i in range(int(service["shards"]))]
+        me = ray.get_runtime_context().current_actor
+        return ShardedRegistry.open(name, shards, me, float(service["restart_wait_s"]), None, None)
+
+    def _save_settings(self) -> None:
+        if self._settings_path is not None:
+            self._settings_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self._settings_path, {"service": self._service, "coordinators": self._configured,
+                                                    "restarts": self.restarts})
+
+    def renew(self, token) -> bool:
+        """:meth:`LeaseAuthority.renew`; for one time to live after a restart, a lease this process never
+        granted is taken in (its holder lived through the restart) instead of refused."""
+        if super().renew(token):
+            return True
+        if isinstance(token, str) and time.monotonic() < self._grace_until:
+            self._leases.adopt(token)
+            return True
+        return False
 
     def pid(self) -> int:
         return os.getpid()
@@ -118,6 +180,8 @@ class CoordinatorHost(LeaseAuthority):
                 return
             self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(registry),
                                                   stats_cache_s=STATS_CACHE_S)
+            self._configured[name] = dict(settings)
+            self._save_settings()
 
     def has(self, name: str) -> bool:
         return name in self.coordinators
@@ -207,15 +271,21 @@ class RayManager:
         hooks = fault_hooks.forwarded_env()  # Ray's workers do not inherit this process's environment
         if hooks:
             common["runtime_env"] = {"env_vars": hooks}
-        coordinator = (ray.remote(CoordinatorHost)
-                       .options(name=prefix + COORDINATOR_NAME, max_concurrency=COORDINATOR_THREADS, **common)
-                       .remote(ttl))
         logs = None if log_dir is None else str(shard_log_dir(log_dir, prefix))
         restarts = int(shard_restarts) if logs else 0
+        wait_s = RESTART_WAIT_S if restarts else 0.0
+        service = {"namespace": ns, "prefix": prefix, "shards": int(shards), "restart_wait_s": wait_s}
+        # restarted by Ray like the shards (calls in flight are run again), when there is a log directory to keep
+        # its settings in; its state is in prompts.json
+        restart = {"max_restarts": restarts, "max_task_retries": -1} if restarts else {}
+        coordinator = (ray.remote(CoordinatorHost)
+                       .options(name=prefix + COORDINATOR_NAME, max_concurrency=COORDINATOR_THREADS,
+                                **dict(common, **restart))
+                       .remote(ttl, str(Path(logs) / COORDINATOR_SETTINGS) if logs else None, service))
         hosts = [ray.remote(ShardHost).options(name=f"{prefix}{SHARD_PREFIX}{i}", **dict(common, max_restarts=restarts))
                  .remote(i, ns, ttl, prefix + COORDINATOR_NAME, logs) for i in range(int(shards))]
         _get([coordinator.pid.remote()] + [h.pid.remote() for h in hosts])
-        return cls(ns, prefix, coordinator, hosts, owner=True, restart_wait_s=RESTART_WAIT_S if restarts else 0.0)
+        return cls(ns, prefix, coordinator, hosts, owner=True, restart_wait_s=wait_s)
 
     @classmethod
     def connect(cls, spec: dict) -> RayManager:
@@ -325,6 +395,8 @@ class RayWeights:
         ray = _ray()
         version, refs = _get(self._coordinator.get_weights.remote(), "coordinator")
         if not refs:
+            if hasattr(self, "_loaded"):  # a restarted coordinator, before the learner's next publish: keep ours
+                return self._loaded
             raise TimeoutError("no weights published yet")
         try:
             published = ray.get(refs[0], timeout=timeout)

@@ -1,0 +1,66 @@
+"""A coordinator whose process died, restarted on the same state (``Coordinator(restarted=True)``, what the Ray
+engine's coordinator actor does when Ray restarts it): the live service goes on where it was, where a resumed
+service (a new session) would hand its collectors' units out again."""
+
+from __future__ import annotations
+
+from rbpipe.grouping.leases import LEASES
+from rbpipe.service.coordinator import Coordinator
+
+BAND = {"samples_per_insert": 1.0, "error_buffer": 3.0, "min_size_to_sample": 1}
+
+
+def _died(*leases: str) -> None:
+    """The coordinator's process is gone, and its lease table with it (here: the tokens are forgotten)."""
+    for lease in leases:
+        LEASES.release(lease)
+
+
+def _live_state(coord: Coordinator) -> tuple:
+    status = coord.status()
+    return (status["produced_total"], status["produced"], status["rejected_total"], status["next_prompt"],
+            status["collectors"], status["learner"], status["band"], status["units"], dict(coord._units))
+
+
+def test_a_restarted_coordinator_goes_on_with_the_live_service(tmp_path):
+    coord = Coordinator(4, 2, BAND, str(tmp_path))
+    a, b = LEASES.grant(), LEASES.grant()
+    assert (coord.join(a), coord.join(b)) == (0, 1)
+    assert coord.take(a) == coord.take(b) == {"prompt": 0, "samples": 2}  # prompt 0: a and b
+    coord.appended(0, a, 2)  # a handed its unit over
+    coord.count(produced=2, reasons={"reward_error": 0})
+    assert coord.take(a) == {"prompt": 1, "samples": 2}  # a now holds half of prompt 1
+    coord.count(produced=1, rejected=1, reasons={"reward_error": 1})
+    coord.report_learner(step=3, consumed_groups=0, phase="training")
+    coord.set_endpoint({"address": "127.0.0.1:1"})
+    before = _live_state(coord)
+    _died(a, b)  # no close: the process died
+
+    again = Coordinator(4, 2, BAND, str(tmp_path), restarted=True)
+    assert _live_state(again) == before  # ids, leases (taken in), counters, the learner, the band, the units
+    assert again.endpoint() == {"address": "127.0.0.1:1"}
+    c = LEASES.grant()
+    assert again.join(c) == 2  # never an id used before in this service
+    # what a and b hold stays theirs: c gets prompt 1's other half and then a new prompt, not prompt 0 again
+    assert [again.take(c), again.take(c)] == [{"prompt": 1, "samples": 2}, {"prompt": 2, "samples": 2}]
+    again.appended(0, b, 2)  # b hands over the unit it took before the restart: prompt 0 is done
+    assert (0, b) not in again._units
+    again.close()
+
+
+def test_a_resumed_service_hands_the_last_sessions_units_out_again(tmp_path):
+    """The contrast: a new session (``rbpipe serve --resume``) does not know the last session's collectors."""
+    coord = Coordinator(4, 2, BAND, str(tmp_path))
+    a = LEASES.grant()
+    coord.join(a)
+    assert coord.take(a) == {"prompt": 0, "samples": 2}
+    coord.count(produced=5)
+    _died(a)
+
+    resumed = Coordinator(4, 2, BAND, str(tmp_path))
+    status = resumed.status()
+    assert status["produced"] == 0 and status["produced_total"] == 5 and status["collectors"] == {}
+    b = LEASES.grant()
+    resumed.join(b)
+    assert resumed.take(b) == {"prompt": 0, "samples": 2}  # a's unit, back in the pool
+    resumed.close()

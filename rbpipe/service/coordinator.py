@@ -155,7 +155,7 @@ class Coordinator:
         self._learner.update({k: v for k, v in live.get("learner", {}).items() if k in LEARNER_FIELDS})
         self._learner_lease = live.get("learner_lease")
         self._endpoint = dict(live.get("endpoint", {}))
-        for lease in self._holders | {self._learner_lease} - {None}:
+        for lease in self._holders | ({self._learner_lease} if self._learner_lease else set()):
             LEASES.adopt(lease)
 
     def _dropped(self, fresh: bool = False) -> int:

@@ -137,6 +137,7 @@ class CoordinatorHost(LeaseAuthority):
         """(Ray restarted this actor.) Each coordinator again, from its saved settings and ``prompts.json``."""
         from rbpipe.service.coordinator import Coordinator
 
+        assert self._settings_path is not None
         saved = json.loads(self._settings_path.read_text())  # plain JSON: nothing read back is unpickled
         self._service, self._configured = saved["service"], saved["coordinators"]
         self.restarts = int(saved.get("restarts", 0)) + 1
@@ -395,8 +396,9 @@ class RayWeights:
         ray = _ray()
         version, refs = _get(self._coordinator.get_weights.remote(), "coordinator")
         if not refs:
-            if hasattr(self, "_loaded"):  # a restarted coordinator, before the learner's next publish: keep ours
-                return self._loaded
+            loaded: int | None = getattr(self, "_loaded", None)
+            if loaded is not None:  # a restarted coordinator, before the learner's next publish: keep ours
+                return loaded
             raise TimeoutError("no weights published yet")
         try:
             published = ray.get(refs[0], timeout=timeout)

@@ -51,6 +51,17 @@ class GroupStore(Protocol):
     def group_minimums(self, key: Any, seqs: Sequence[int]) -> dict[int, int]: ...
 
 
+_BY_CLASS: dict[type, bool] = {}
+
+
 def is_group_store(storage: Any) -> bool:
-    """Whether ``storage`` declares itself a :class:`GroupStore` (its class states the capability flags)."""
-    return isinstance(storage, GroupStore)
+    """Whether ``storage`` declares itself a :class:`GroupStore` (its class states the capability flags).
+
+    Answered once per class: ``isinstance`` against a runtime-checkable protocol looks up every member each
+    time, and the buffer asks on every hand-over (a third of a writer's time per hand-over; docs/DESIGN.md,
+    Figures behind code choices)."""
+    cls = type(storage)
+    known = _BY_CLASS.get(cls)
+    if known is None:
+        known = _BY_CLASS[cls] = isinstance(storage, GroupStore)
+    return known

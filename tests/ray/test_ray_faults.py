@@ -134,11 +134,7 @@ def test_registry_shard_killed_and_restarted_by_ray(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
 
     def kill_shard(proc) -> None:
-        spec = json.loads((run_dir / "endpoint.json").read_text())["ray"]
-        shard = ray.get_actor(f"{spec['prefix']}rbpipe-shard-0", namespace=spec["namespace"])
-        pid = ray.get(shard.pid.remote())
-        ray.kill(shard, no_restart=False)
-        _wait_for(lambda: _try_pid(shard) not in (None, pid), 60, proc)  # Ray brought it back
+        shard = _kill_until_restarted(run_dir, "rbpipe-shard-0", proc)
         assert ray.get(shard.__ray_call__.remote(lambda self: self.replayed)) > 0
 
     # killed while the learner holds after its first step: the run outlives the shard's restart
@@ -163,11 +159,7 @@ def test_coordinator_killed_and_restarted_by_ray(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
 
     def kill_coordinator(proc) -> None:
-        spec = json.loads((run_dir / "endpoint.json").read_text())["ray"]
-        coordinator = ray.get_actor(f"{spec['prefix']}rbpipe-coordinator", namespace=spec["namespace"])
-        pid = ray.get(coordinator.pid.remote())
-        ray.kill(coordinator, no_restart=False)
-        _wait_for(lambda: _try_pid(coordinator) not in (None, pid), 60, proc)  # Ray brought it back
+        coordinator = _kill_until_restarted(run_dir, "rbpipe-coordinator", proc)
         assert ray.get(coordinator.__ray_call__.remote(lambda self: self.restarts)) == 1
 
     # killed while the learner holds after its second step: the run outlives the coordinator's restart
@@ -178,6 +170,18 @@ def test_coordinator_killed_and_restarted_by_ray(ray_cluster, tmp_path):
     assert summary["collectors"]["lost_leases"] == 0  # every collector kept its lease through the restart
     assert not list(run_dir.glob("*shards"))  # the coordinator's settings go with the shards' logs
     check_store(run_dir, summary)
+
+
+def _kill_until_restarted(run_dir: Path, name: str, proc: subprocess.Popen):
+    """``ray.kill`` the service's actor ``name`` (restart allowed) and wait until Ray brought it back; its handle."""
+    import ray
+
+    spec = json.loads((run_dir / "endpoint.json").read_text())["ray"]
+    actor = ray.get_actor(spec["prefix"] + name, namespace=spec["namespace"])
+    pid = ray.get(actor.pid.remote())
+    ray.kill(actor, no_restart=False)
+    _wait_for(lambda: _try_pid(actor) not in (None, pid), 60, proc)
+    return actor
 
 
 def _try_pid(actor):

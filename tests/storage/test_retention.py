@@ -91,7 +91,9 @@ def test_read_column_uses_the_snapshot_the_rows_were_drawn_from(tmp_path):
     assert reader.read_column("policy_version", rows).tolist() == [2, 2]
 
 
-def test_reads_follow_a_compaction_that_deleted_their_segments(tmp_path):
+def _reader_of_a_compacted_store(tmp_path) -> ArrowStorage:
+    """A reader that numbered 4 groups of 3 rows (two writers' segments), then another handle compacted them
+    into one segment and deleted the old ones."""
     writers = [ArrowStorage(tmp_path / "s") for _ in range(2)]
     for g in range(4):
         writers[g % 2].append_group(_group(g, 3))
@@ -100,6 +102,11 @@ def test_reads_follow_a_compaction_that_deleted_their_segments(tmp_path):
     reader = ArrowStorage(tmp_path / "s")
     assert len(reader) == 12
     assert ArrowStorage(tmp_path / "s").compact() == 4
+    return reader
+
+
+def test_reads_follow_a_compaction_that_deleted_their_segments(tmp_path):
+    reader = _reader_of_a_compacted_store(tmp_path)
     idx = torch.tensor([6, 7, 8, 0, 1, 2])
     assert _exact(reader.get(idx), [(2, 3), (0, 3)])
 
@@ -109,14 +116,7 @@ def test_a_compaction_costs_a_reader_one_relookup_not_one_per_read(tmp_path, mon
     looks the groups up again, and the reader keeps that lookup (same numbering), so its next reads go to the
     new file at once. An eviction renumbers the rows: there each read keeps its own numbering (the test above
     and ``test_groups_the_sampler_drew_read_back_even_if_evicted_before_the_read``)."""
-    writers = [ArrowStorage(tmp_path / "s") for _ in range(2)]
-    for g in range(4):
-        writers[g % 2].append_group(_group(g, 3))
-    for w in writers:
-        w.close()
-    reader = ArrowStorage(tmp_path / "s")
-    assert len(reader) == 12
-    assert ArrowStorage(tmp_path / "s").compact() == 4
+    reader = _reader_of_a_compacted_store(tmp_path)
     lookups = []
     real = ArrowStorage._remap
     monkeypatch.setattr(ArrowStorage, "_remap", lambda self, *a: lookups.append(1) or real(self, *a))

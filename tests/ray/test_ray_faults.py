@@ -125,50 +125,34 @@ def test_worker_node_removed_mid_run(ray_cluster, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_registry_shard_killed_and_restarted_by_ray(ray_cluster, tmp_path):
-    """Ray restarts a killed shard actor (``max_restarts``); it replays its log (queued groups, unconfirmed
-    claims, counters) and writers repeat the calls the kill cut off: no group lost, torn or stored twice."""
+def test_a_shard_then_the_coordinator_killed_and_restarted_by_ray(ray_cluster, tmp_path):
+    """Both kinds of service actor die in one run, one after the other, while the learner holds after step 1,
+    and Ray restarts each (``max_restarts``):
+    * the shard replays its log (queued groups, unconfirmed claims, counters), and writers repeat the calls the
+      kill cut off;
+    * the coordinator configures itself again from its saved settings and takes the live service back from
+      ``prompts.json`` (the units each collector holds, collector ids, the session's counters, the learner's
+      progress), takes the workers' leases in at their next renewal, and Ray runs the calls the kill cut off
+      again.
+    The run goes on to its step cap: no group lost, torn or stored twice, every trajectory counted, no collector
+    restarted or its lease lost. (One run for both: a Ray run costs ~40 s of CI.)"""
     import ray
 
     cluster, _ = ray_cluster
     run_dir = tmp_path / "run"
 
-    def kill_shard(proc) -> None:
+    def kill_shard_then_coordinator(proc) -> None:
         shard = _kill_until_restarted(run_dir, "rbpipe-shard-0", proc)
         assert ray.get(shard.__ray_call__.remote(lambda self: self.replayed)) > 0
-
-    # killed while the learner holds after its first step: the run outlives the shard's restart
-    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=8), run_dir, 1, "endpoint.json",
-                              kill_shard)
-    _check_summary(summary, 8)
-    assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0
-    assert not list(run_dir.glob("*shards"))  # the shards' logs go with the service
-    check_store(run_dir, summary)
-
-
-@pytest.mark.timeout(300)
-def test_coordinator_killed_and_restarted_by_ray(ray_cluster, tmp_path):
-    """Ray restarts a killed coordinator actor (``max_restarts``); it configures itself again from its saved
-    settings and takes the live service back from ``prompts.json`` (the units each collector holds, collector
-    ids, the session's counters, the learner's progress), takes the workers' leases in at their next renewal,
-    and Ray runs the calls the kill cut off again. The run goes on to its step cap and every trajectory is
-    counted: none lost, torn or stored twice, and no collector restarted."""
-    import ray
-
-    cluster, _ = ray_cluster
-    run_dir = tmp_path / "run"
-
-    def kill_coordinator(proc) -> None:
         coordinator = _kill_until_restarted(run_dir, "rbpipe-coordinator", proc)
         assert ray.get(coordinator.__ray_call__.remote(lambda self: self.restarts)) == 1
 
-    # killed while the learner holds after its second step: the run outlives the coordinator's restart
-    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=8), run_dir, 2, "endpoint.json",
-                              kill_coordinator)
+    summary = _run_with_fault(ray_run_cmd(cluster.address, run_dir, steps=8), run_dir, 1, "endpoint.json",
+                              kill_shard_then_coordinator)
     _check_summary(summary, 8)
     assert summary["session"]["lost_in_flight"] == 0 and summary["restarts"] == 0
-    assert summary["collectors"]["lost_leases"] == 0  # every collector kept its lease through the restart
-    assert not list(run_dir.glob("*shards"))  # the coordinator's settings go with the shards' logs
+    assert summary["collectors"]["lost_leases"] == 0  # every collector kept its lease through the restarts
+    assert not list(run_dir.glob("*shards"))  # the shards' logs and the coordinator's settings go with the service
     check_store(run_dir, summary)
 
 

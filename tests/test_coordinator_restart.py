@@ -5,7 +5,9 @@ service (a new session) would hand its collectors' units out again."""
 from __future__ import annotations
 
 from rbpipe.grouping.leases import LEASES
+from rbpipe.rundir import PROMPTS
 from rbpipe.service.coordinator import Coordinator
+from rbpipe.service.journal import journal_path_of
 
 BAND = {"samples_per_insert": 1.0, "error_buffer": 3.0, "min_size_to_sample": 1}
 
@@ -23,7 +25,7 @@ def _live_state(coord: Coordinator) -> tuple:
 
 
 def test_a_restarted_coordinator_goes_on_with_the_live_service(tmp_path):
-    coord = Coordinator(4, 2, BAND, str(tmp_path))
+    coord = Coordinator(4, 2, BAND, str(tmp_path), restartable=True)
     a, b = LEASES.grant(), LEASES.grant()
     assert (coord.join(a), coord.join(b)) == (0, 1)
     assert coord.take(a) == coord.take(b) == {"prompt": 0, "samples": 2}  # prompt 0: a and b
@@ -36,7 +38,7 @@ def test_a_restarted_coordinator_goes_on_with_the_live_service(tmp_path):
     before = _live_state(coord)
     _died(a, b)  # no close: the process died
 
-    again = Coordinator(4, 2, BAND, str(tmp_path), restarted=True)
+    again = Coordinator(4, 2, BAND, str(tmp_path), restarted=True, restartable=True)
     assert _live_state(again) == before  # ids, leases (taken in), counters, the learner, the band, the units
     assert again.endpoint() == {"address": "127.0.0.1:1"}
     c = LEASES.grant()
@@ -64,3 +66,33 @@ def test_a_resumed_service_hands_the_last_sessions_units_out_again(tmp_path):
     resumed.join(b)
     assert resumed.take(b) == {"prompt": 0, "samples": 2}  # a's unit, back in the pool
     resumed.close()
+
+
+def _journal_lines(state_dir) -> int:
+    path = journal_path_of(state_dir / PROMPTS)
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_only_a_restartable_coordinator_journals_every_call(tmp_path):
+    """A coordinator no engine restarts (the local manager's) writes ``prompts.json`` where a resume needs it: a
+    new prompt, a hand-over and its count. Takes inside an open prompt, learner reports and the endpoint add
+    nothing; a restartable one (the Ray actor's) records each of them."""
+    lines = {}
+    for restartable in (False, True):
+        state_dir = tmp_path / str(restartable)
+        state_dir.mkdir()
+        coord = Coordinator(4, 2, BAND, str(state_dir), restartable=restartable)
+        a, b = LEASES.grant(), LEASES.grant()
+        coord.join(a), coord.join(b)
+        coord.take(a)  # prompt 0 opens: saved either way
+        start = _journal_lines(state_dir)
+        coord.take(b)  # the other half of prompt 0
+        coord.report_learner(step=1)
+        coord.set_endpoint({"address": "127.0.0.1:1"})
+        lines[restartable] = _journal_lines(state_dir) - start
+        coord.appended(0, a, 2)  # a hand-over and its count: saved either way
+        coord.count(produced=2)
+        assert _journal_lines(state_dir) - start == lines[restartable] + 2
+        coord.close()
+        _died(a, b)
+    assert lines == {False: 0, True: 3}

@@ -65,6 +65,9 @@ class Coordinator:
         restarted: this service's coordinator again, after its process died (the Ray engine restarts its actor):
             the live service's state comes back from ``prompts.json`` whole (units still held by their
             collectors, collector ids, the learner's progress, the band's file), not as a resume would take it.
+        restartable: the engine restarts this coordinator's process if it dies (Ray, with a log directory), so
+            ``prompts.json`` also records every take, join and learner report for ``restarted``. Otherwise it
+            is written where a resume needs it (a new prompt opened, a hand-over and its count, close).
 
     Examples:
         >>> import tempfile
@@ -83,7 +86,7 @@ class Coordinator:
 
     def __init__(self, samples_per_prompt: int, unit_size: int, limiter: dict, state_dir: str,
                  expect_collectors: int = 1, registry=None, stats_cache_s: float = STATS_CACHE_S,
-                 restarted: bool = False) -> None:
+                 restarted: bool = False, restartable: bool = False) -> None:
         self.samples_per_prompt = int(samples_per_prompt)
         self.unit_size = max(1, min(int(unit_size), self.samples_per_prompt))
         self._state = StateJournal(Path(state_dir) / PROMPTS)
@@ -112,6 +115,7 @@ class Coordinator:
         self._endpoint: dict = {}
         self._stop = False
         self._closed = False
+        self._restartable = bool(restartable)
         self._load(restarted)
 
     # -- persistence -------------------------------------------------------------------------------------------
@@ -166,6 +170,11 @@ class Coordinator:
         if not self._closed:  # after close, prompts.json alone holds the final state (no journal again)
             self._state.save(self._share_out(fresh))
 
+    def _save_live(self) -> None:
+        """Save what only a restarted coordinator needs (who holds what, the learner's progress, the counts so far)."""
+        if self._restartable:
+            self._save()
+
     def _share_out(self, fresh: bool = False) -> dict:
         """What a resumed service continues from: the next new prompt, the samples still owed, the counters."""
         todo = dict(self._pool)
@@ -193,7 +202,7 @@ class Coordinator:
             self._ids[lease] = int(collector_id)
             self._holders.add(lease)
             self._joined.add(lease)
-            self._save()  # its id and the start-up gate survive a restarted coordinator
+            self._save_live()  # its id and the start-up gate survive a restarted coordinator
             self._changed.notify_all()  # the start-up gate may open
             return int(collector_id)
 
@@ -225,6 +234,7 @@ class Coordinator:
 
     def _take_locked(self, lease: str, max_units: int) -> list[dict]:
         self._reclaim()
+        opened = self.next_prompt
         taken: dict[int, int] = {}  # prompt -> samples (a collector alone may get a prompt's units at once)
         for _ in range(max(1, int(max_units))):
             unit = self._pick(lease)
@@ -243,9 +253,10 @@ class Coordinator:
         if since is not None:
             self._counts["insert_blocked_ns"] += now - since
         self._counts["units"] += len(taken)
-        # saved at every take, not only where a new prompt opened (which changes the total owed): a restarted
-        # coordinator must know which collector holds which unit
-        self._save()
+        if self.next_prompt != opened:  # the total owed changed (a resume needs it)
+            self._save()
+        else:  # samples moved from the pool to a unit: a restarted coordinator must know who holds which
+            self._save_live()
         return [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
 
     def _pick(self, lease: str) -> tuple[int, int] | None:
@@ -376,7 +387,7 @@ class Coordinator:
                         "learner trains a run: stop it first, or attach collectors instead")
             self._learner_lease = lease
             self._learner["done"] = 0
-            self._save()
+            self._save_live()
             return None
 
     def report_learner(self, **fields) -> dict[str, float]:
@@ -387,7 +398,7 @@ class Coordinator:
         with self._lock:
             self._learner.update(fields)
             self._limiter.set_samples(0, int(self._learner["consumed_groups"]) + int(self._learner["stale_groups"]))
-            self._save()  # the learner's progress survives a restarted coordinator
+            self._save_live()  # the learner's progress survives a restarted coordinator
             self._changed.notify_all()
         return self.timing()
 
@@ -408,7 +419,7 @@ class Coordinator:
             self._counts["generate_ns"] += int(generate_ns)
             self._counts["handover_ns"] += int(handover_ns)
             if produced or rejected or reasons:
-                self._save()  # the run's totals: a restarted coordinator must count every trajectory
+                self._save()  # the run's totals: a resumed or restarted coordinator must count every trajectory
 
     def timing(self) -> dict:
         """Collectors' seconds so far, all collectors together: generating, handing over, blocked by the band."""
@@ -439,7 +450,7 @@ class Coordinator:
     def set_endpoint(self, endpoint: dict) -> None:
         with self._lock:
             self._endpoint = dict(endpoint)
-            self._save()
+            self._save_live()
 
     def endpoint(self) -> dict:
         """What a worker attaching by ``HOST:PORT`` needs (the same as ``endpoint.json``, key aside)."""

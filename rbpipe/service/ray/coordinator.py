@@ -144,7 +144,8 @@ class CoordinatorHost(LeaseAuthority):
         self._grace_until = time.monotonic() + self._leases.ttl_s
         for name, settings in self._configured.items():
             self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(self._router(name)),
-                                                  stats_cache_s=STATS_CACHE_S, restarted=True)
+                                                  stats_cache_s=STATS_CACHE_S, restarted=True,
+                                                  restartable=True)
         self._save_settings()
 
     def _router(self, name: str) -> ShardedRegistry:
@@ -180,7 +181,8 @@ class CoordinatorHost(LeaseAuthority):
             if name in self.coordinators:
                 return
             self.coordinators[name] = Coordinator(**settings, registry=LastKnownStats(registry),
-                                                  stats_cache_s=STATS_CACHE_S)
+                                                  stats_cache_s=STATS_CACHE_S,
+                                                  restartable=self._settings_path is not None)
             self._configured[name] = dict(settings)
             self._save_settings()
 

@@ -22,7 +22,9 @@ from rbpipe.model.limits import max_positions
 from rbpipe.model.rollout import Rollouts
 from rbpipe.sampling.staleness import units_per_ask
 from rbpipe.service.clients import CollectorClient
+from rbpipe.system import fault_hooks
 from rbpipe.system.procs import run_worker, settle_heap
+from rbpipe.system.step_stop import StepAbandoned, StepStop
 from rbpipe.timing import TAKE_WAIT_S
 from rbpipe.tracking.memory import PeakMemory
 from rbpipe.trajectory import FINISH_REASON_KEY
@@ -30,10 +32,13 @@ from rbpipe.trajectory import FINISH_REASON_KEY
 
 def run_collector(target: str | Path, collector_id: int | None = None, *, task: str | None = None,
                   model: str | None = None, authkey_file: str | None = None, log=print, announce: bool = True) -> None:
-    """Generate and hand over work units until the service asks its workers to stop. It tunes its process
-    for the loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage collection) once set up."""
+    """Generate and hand over work units until the service asks its workers to stop, or SIGTERM: that abandons
+    a generation in progress at the policy's next forward pass (a real model's round takes seconds, longer than
+    the launcher waits) and leaves cleanly; a hand-over in progress finishes first. It tunes its process for the
+    loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage collection) once set up."""
     torch.set_num_threads(1)  # one core per process; avoids oversubscription on small machines
     client = CollectorClient(target, authkey_file=authkey_file, collector_id=collector_id, task=task, model=model)
+    stop: StepStop | None = None
     try:
         cfg = client.config
         # --model PATH or the built-in one, on its device in --dtype (the learner's weights replace its own), with
@@ -53,7 +58,9 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
             log(f"[collector {client.collector_id}] attached to {client.run_dir}")
         settle_heap()
         memory = PeakMemory(client.run_dir, f"collector {client.collector_id}")  # summary.json's peak_rss_mb
-        while not client.stop_requested():
+        stop = StepStop(policy, what="the collector's generation").install()
+        delay, rounds = fault_hooks.generate_delay(), 0
+        while not client.stop_requested() and not stop.requested:
             # a learner step's worth of prompts at once (one unit of each): generated in one batch and handed
             # over in one call, so a step's groups are ready one generation + one hand-over after the band moves
             units = client.take_many(units_per_ask(cfg), wait_s=TAKE_WAIT_S)
@@ -62,7 +69,16 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
             if client.weights_version != version:
                 version = client.load_weights(policy)
             started = time.perf_counter_ns()
-            batch = rollouts.run(policy, units, collector_id=client.collector_id, policy_version=version)
+            try:
+                with stop.step():
+                    if delay and rounds:  # a stop test's slow generation (rbpipe.system.fault_hooks)
+                        stop.sleep(delay)
+                    batch = rollouts.run(policy, units, collector_id=client.collector_id, policy_version=version)
+            except StepAbandoned as abandoned:  # nothing of it was handed over; close() gives its units back
+                _warn(f"[collector {client.collector_id}] {stop.signal_name}: {abandoned}, its units go back to the "
+                      "service")
+                break
+            rounds += 1
             client.add_generate_time(time.perf_counter_ns() - started)
             memory.update()
             if batch.dropped:  # not handed over: counted as produced and rejected, by reason (conservation)
@@ -81,6 +97,8 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
                 for prompt, n in Counter(prompt_of if bad is None else [prompt_of[i] for i in bad]).items():
                     client.skip(prompt, n)
     finally:
+        if stop is not None:
+            stop.close()
         client.close()
 
 

@@ -495,8 +495,8 @@ def _stop_all(workers: list[Worker], timeout: float | None = None, hurry=lambda:
     up to ``timeout`` (:data:`STOP_GRACE_S`) for them to leave on their own (the learner finishes its step and
     checkpoints; ``hurry()``, a second signal, skips this), then SIGTERM and up to ``term_timeout``
     (:data:`TERM_GRACE_S`) for those still running (the learner abandons its step and checkpoints the last
-    finished one; ``kill_now()``, a third signal, cuts it short), then SIGKILL. Returns once every worker is
-    gone, so that the manager they talk to is shut down only after them."""
+    finished one, a collector abandons its generation; ``kill_now()``, a third signal, cuts it short), then
+    SIGKILL. Returns once every worker is gone, so that the manager they talk to is shut down only after them."""
     timeout = STOP_GRACE_S if timeout is None else timeout
     term_timeout = TERM_GRACE_S if term_timeout is None else term_timeout
 
@@ -513,7 +513,7 @@ def _stop_all(workers: list[Worker], timeout: float | None = None, hurry=lambda:
     if late:
         if log is not None:
             log(f"{', '.join(w.name for w in late)} still running: SIGTERM (the learner abandons its step and "
-                "writes its checkpoint)")
+                "writes its checkpoint, a collector its generation)")
         for w in late:
             w.process.terminate()
         wait(term_timeout, kill_now)

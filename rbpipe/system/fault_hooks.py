@@ -1,4 +1,4 @@
-"""Test hooks of the learner, read from the environment: a fault test must fire its fault at a point the run
+"""Test hooks of the workers, read from the environment: a fault test must fire its fault at a point the run
 cannot have passed, whatever the machine's speed, and a stop test needs steps as slow as a real model's.
 
 * ``RBPIPE_TEST_HOLD_AFTER_STEP=N:PATH`` — once step ``N`` is trained, logged and (if due) checkpointed, the
@@ -9,6 +9,9 @@ cannot have passed, whatever the machine's speed, and a stop test needs steps as
   its log, until ``PATH`` exists: a test checks what answers while a shard is down, however fast Ray restarts it.
 * ``RBPIPE_TEST_STEP_DELAY_S=X`` — every forward pass of the learner's model takes ``X`` seconds longer (a sleep
   that a stop abandons as it would abandon a real forward pass): a learner step costs what a large model's does.
+* ``RBPIPE_TEST_GENERATE_DELAY_S=X`` — every generation of a collector after its first takes ``X`` seconds longer
+  (slept before it starts, abandoned by a stop likewise): a collector is still generating when the
+  launcher's grace ends, while its first hand-over still feeds the learner's first step.
 
 All are off unless set; they only slow or pause a process, never change what it computes. With
 ``--engine ray`` they are passed to the worker and shard actors.
@@ -25,14 +28,14 @@ from rbpipe.errors import ConfigError
 
 HOLD_ENV = "RBPIPE_TEST_HOLD_AFTER_STEP"
 DELAY_ENV = "RBPIPE_TEST_STEP_DELAY_S"
+GENERATE_DELAY_ENV = "RBPIPE_TEST_GENERATE_DELAY_S"
 SHARD_RESTART_ENV = "RBPIPE_TEST_HOLD_SHARD_RESTART"
 #: What ``--engine ray`` forwards to its actors (Ray workers do not inherit the driver's environment)
-FORWARDED = (HOLD_ENV, DELAY_ENV, SHARD_RESTART_ENV)
+FORWARDED = (HOLD_ENV, DELAY_ENV, GENERATE_DELAY_ENV, SHARD_RESTART_ENV)
 
 
-def step_delay() -> float:
-    """``RBPIPE_TEST_STEP_DELAY_S`` in seconds (0 when unset)."""
-    raw = os.environ.get(DELAY_ENV, "")
+def _seconds(name: str) -> float:
+    raw = os.environ.get(name, "")
     if not raw:
         return 0.0
     try:
@@ -40,8 +43,18 @@ def step_delay() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise ConfigError(f"{DELAY_ENV} must be a number of seconds >= 0, got {raw!r}")
+        raise ConfigError(f"{name} must be a number of seconds >= 0, got {raw!r}")
     return value
+
+
+def step_delay() -> float:
+    """``RBPIPE_TEST_STEP_DELAY_S`` in seconds (0 when unset)."""
+    return _seconds(DELAY_ENV)
+
+
+def generate_delay() -> float:
+    """``RBPIPE_TEST_GENERATE_DELAY_S`` in seconds (0 when unset)."""
+    return _seconds(GENERATE_DELAY_ENV)
 
 
 def hold_after_step() -> tuple[int, Path] | None:

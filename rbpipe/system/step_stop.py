@@ -1,4 +1,5 @@
-"""The learner's stop: SIGTERM ends the step in progress at a point where abandoning it is safe.
+"""A worker's stop: SIGTERM ends the step in progress (a learner's training step, a collector's generation) at a
+point where abandoning it is safe.
 
 A learner step of a real model takes seconds (figures: docs/DESIGN.md, Figures behind code choices); the launcher cannot
 wait for every step to end before it stops a run, and a learner killed mid-step leaves no checkpoint of its last
@@ -6,8 +7,11 @@ finished step. So SIGTERM only sets a flag, and the step checks it where nothing
 module's forward pass and just before the optimizer updates the weights (an optimizer step pre-hook). There the
 step is abandoned (:class:`StepAbandoned`): model and optimizer are still those of the last finished step, and
 the learner checkpoints them with the sampler as it was before the abandoned draw (its groups are trained after a
-resume). Once the optimizer has begun, the step finishes. Nothing is raised from the signal handler itself: an
-exception in the middle of a round trip to the service or of a file write would leave either half done.
+resume). Once the optimizer has begun, the step finishes. A collector's generation is abandoned the same way, at
+the policy's next forward pass: nothing of it was handed over, and its units go back to the other collectors
+when it leaves. A hand-over in progress always finishes (it runs no forward pass). Nothing is raised from the
+signal handler itself: an exception in the middle of a round trip to the service or of a file write would leave
+either half done.
 """
 
 from __future__ import annotations
@@ -21,17 +25,19 @@ import torch
 
 
 class StepAbandoned(BaseException):
-    """The learner's step in progress was abandoned for a stop (a ``BaseException``: no ``except Exception`` in
+    """The worker's step in progress was abandoned for a stop (a ``BaseException``: no ``except Exception`` in
     the model's or torchrl's code may swallow it)."""
 
 
 class StepStop:
-    """SIGTERM of the learner process: ``requested`` from then on; :meth:`check` raises :class:`StepAbandoned`
+    """SIGTERM of a worker process: ``requested`` from then on; :meth:`check` raises :class:`StepAbandoned`
     inside a step (:meth:`step`) until the optimizer begins its update.
 
     Args:
-        model: the trained module; a forward pre-hook on each of its modules checks for a stop.
-        optimizer: its optimizer; a step pre-hook checks a last time, then the update may no longer be abandoned.
+        model: the trained (or generating) module; a forward pre-hook on each of its modules checks for a stop.
+        optimizer: its optimizer, if it trains; a step pre-hook checks a last time, then the update may no
+            longer be abandoned.
+        what: what a step is, for the message (``"the learner's step"``, ``"the collector's generation"``).
 
     Examples:
         >>> import torch
@@ -49,14 +55,17 @@ class StepStop:
         >>> stop.close()
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 what: str = "the learner's step") -> None:
+        self.what = what
         self.requested = False
         self.signal_name: str | None = None
         self._in_step = False
         self._committing = False
         self._old_handler: Any = None
         self._hooks = [m.register_forward_pre_hook(self._forward_check) for m in model.modules()]
-        self._hooks.append(optimizer.register_step_pre_hook(self._before_update))
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_update))
 
     def install(self) -> StepStop:
         """Take SIGTERM (in the main thread only: a learner in a Ray actor's thread is stopped by the service)."""
@@ -87,7 +96,7 @@ class StepStop:
     def check(self) -> None:
         """Raise :class:`StepAbandoned` if a stop was requested and the step may still be abandoned."""
         if self.requested and self._in_step and not self._committing:
-            raise StepAbandoned("stop requested: the learner's step was abandoned")
+            raise StepAbandoned(f"stop requested: {self.what} was abandoned")
 
     def sleep(self, seconds: float, slice_s: float = 0.01) -> None:
         """Sleep in slices, abandoning the step as soon as a stop is requested (a slow step's stand-in)."""

@@ -44,15 +44,16 @@ def _stop(proc: subprocess.Popen, how: str, rng: random.Random) -> None:
             os.killpg(proc.pid, signal.SIGINT)
 
 
-def stop_at_random_point(tmp_path: Path, how: str, delay_s: float, seed: int,
-                         within_s: float) -> tuple[str, dict, Path]:
+def stop_at_random_point(tmp_path: Path, how: str, delay_s: float, seed: int, within_s: float,
+                         generate_delay_s: float = 0.0) -> tuple[str, dict, Path]:
     """Start a run with slow learner steps, stop it with ``how`` at a random time within ``within_s`` after its
     first step (in a step, in a checkpoint, in the bookkeeping between steps), check what every stop must leave;
     returns the output, the summary and the run directory."""
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
     tmpdir = private_tmpdir()
-    env = dict(os.environ, RBPIPE_TEST_STEP_DELAY_S=str(delay_s), TMPDIR=str(tmpdir))
+    env = dict(os.environ, RBPIPE_TEST_STEP_DELAY_S=str(delay_s), RBPIPE_TEST_GENERATE_DELAY_S=str(generate_delay_s),
+               TMPDIR=str(tmpdir))
     proc = subprocess.Popen(RUN + ["--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env=env)
     try:
@@ -109,3 +110,19 @@ def test_a_learner_step_longer_than_the_stop_grace_is_abandoned_and_the_last_fin
     assert "learner" not in summary["worker_exits"]  # it exited by itself, status 0
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert checkpoint["sampler"]["consumed_groups"] == 2 * checkpoint["step"]  # the abandoned draw went back
+
+
+@pytest.mark.timeout(300)
+def test_a_generation_longer_than_the_stop_grace_is_abandoned_and_the_collector_leaves(tmp_path):
+    """A collector generation longer than the launcher's grace, as a real model's round can be: the launcher
+    SIGTERMs the collector, which abandons its generation at the next forward pass and leaves by itself (status 0),
+    its units back with the service. Its second generation starts once its first is handed over and lasts 60 s;
+    the stop comes after the learner's first step and the grace ends 15 s later: it is still generating."""
+    from rbpipe.workers.launcher import STOP_GRACE_S
+
+    out, summary, _ = stop_at_random_point(tmp_path, "sigterm", 0, seed=0, within_s=0,
+                                           generate_delay_s=4 * STOP_GRACE_S)
+    assert "collector 0 still running: SIGTERM" in out, out[-3000:]
+    assert "[collector 0] SIGTERM: stop requested: the collector's generation was abandoned" in out, out[-3000:]
+    assert "SIGKILL" not in out, out[-3000:]
+    assert summary["worker_exits"] == {}, summary["worker_exits"]  # it exited by itself, status 0

@@ -1,6 +1,6 @@
 """The store's writer lock is an ``flock``: a holder in another process is refused by name, a killed holder's
-lock is free at once, and three processes taking over a lock file left by a dead process end with exactly one
-holder, also when each is held up at the worst moment (forced delays)."""
+lock is free at once, and three processes taking over a lock file left by a dead process at the same moment (a
+barrier) end with exactly one holder."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import multiprocess
 import pytest
@@ -19,38 +18,21 @@ from rbpipe.errors import StoreLockedError
 from rbpipe.storage import StoreLock
 
 
-def _contender(store: str, role: str, start, results, done) -> None:
-    """Take the lock when ``start`` fires; report ``held``/``refused``; a holder keeps it until ``done``.
-
-    Delays force the interleaving that gave two holders with a pid-file lock: ``B`` finds the lock stale
-    first; ``A`` takes it over; ``B`` moves the lock aside (``A``'s by now) and is slow to put it back; ``C``
-    comes in while it is aside."""
-    import rbpipe.storage.lock as lock_module
-
-    real_rename = os.rename
-
-    def slow_rename(src, dst, *args, **kwargs):
-        if ".stale" in str(dst):
-            time.sleep(0.6)
-            real_rename(src, dst, *args, **kwargs)
-            time.sleep(0.8)
-            return None
-        return real_rename(src, dst, *args, **kwargs)
-
-    if role == "B":
-        lock_module.os.rename = slow_rename  # (the module's os is the os module: this process only)
+def _contender(store: str, start, results, done) -> None:
+    """Take the lock when all three contenders are at ``start`` (a barrier: no sleeps pick an order); report
+    ``held``/``refused`` with this pid; a holder keeps it until ``done``, then says whether the file still names
+    it."""
     start.wait(30)
-    time.sleep({"A": 0.3, "B": 0.0, "C": 1.0}[role])
     lock = StoreLock(store)
     try:
         lock.acquire()
     except StoreLockedError as err:
-        results.put((role, "refused", str(err)))
+        results.put(("refused", str(err), os.getpid()))
         return
-    results.put((role, "held", ""))
+    results.put(("held", "", os.getpid()))
     done.wait(60)
     held_at_end = lock.path.exists() and json.loads(lock.path.read_text()).get("pid") == os.getpid()
-    results.put((role, "still named" if held_at_end else "not named", ""))
+    results.put(("still named" if held_at_end else "not named", "", os.getpid()))
     lock.release()
 
 
@@ -64,16 +46,19 @@ def _dead_pid() -> int:
 def test_three_processes_taking_over_a_dead_holders_lock_end_with_one_holder(tmp_path):
     (tmp_path / ".lock").write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "since": 0}))
     ctx = multiprocess.get_context("spawn")
-    start, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_contender, args=(str(tmp_path), role, start, results, done)) for role in "ABC"]
+    start, done, results = ctx.Barrier(3), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_contender, args=(str(tmp_path), start, results, done)) for _ in range(3)]
     try:
         for p in procs:
             p.start()
-        start.set()
         first = [results.get(timeout=60) for _ in procs]  # each took the lock or was refused
+        holders = [pid for what, _, pid in first if what == "held"]
+        assert len(holders) == 1, f"holders: {holders}; {first}"
+        # the holder has written its name (it reported after): a newcomer is told who holds the store
+        with pytest.raises(StoreLockedError, match=f"locked by pid {holders[0]} on host"):
+            StoreLock(tmp_path).acquire()
         done.set()
-        holders = [role for role, what, _ in first if what == "held"]
-        final = [results.get(timeout=60) for _ in holders]
+        final = results.get(timeout=60)
         for p in procs:
             p.join(30)
     finally:
@@ -82,10 +67,11 @@ def test_three_processes_taking_over_a_dead_holders_lock_end_with_one_holder(tmp
             if p.is_alive():
                 p.kill()
                 p.join(10)
-    assert len(holders) == 1, f"holders: {holders}; {first}"
-    assert final == [(holders[0], "still named", "")]
-    refusals = [msg for _, what, msg in first if what == "refused"]
-    assert len(refusals) == 2 and all("locked by pid" in m and "\n" not in m for m in refusals), refusals
+    assert final == ("still named", "", holders[0])
+    # a contender refused while the holder was still writing its name is told so; else it is named
+    refusals = [msg for what, msg, _ in first if what == "refused"]
+    named, writing = f"locked by pid {holders[0]} on host", "is locked by another process (it is writing its name"
+    assert len(refusals) == 2 and all((named in m or writing in m) and "\n" not in m for m in refusals), refusals
     assert not (tmp_path / ".lock").exists()
     assert [p.exitcode for p in procs] == [0, 0, 0]
 

@@ -42,7 +42,7 @@ from torchrl.objectives.llm import MCAdvantage
 from rbpipe.config import RunConfig
 from rbpipe.demo.policy import build_learner_actor, build_model, sample_batch
 from rbpipe.demo.task import CopyFirstDigitTask
-from rbpipe.loss import LossConfig, build_loss_batch, make_loss, train_step
+from rbpipe.loss import LossConfig, build_loss_batch, one_update_loss, train_step
 from rbpipe.system.procs import settle_heap
 from rbpipe.tracking.seed_stats import bootstrap_median_ci, coefficient_of_variation, median_or_none, paired_ratios
 from rbpipe.trajectory import GROUP_KEY, REWARD_KEY, make_trajectory
@@ -76,7 +76,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int, lag: int = 0) -> dict
     sampler_model = copy.deepcopy(model) if lag else model
     past = collections.deque([copy.deepcopy(model.state_dict())], maxlen=lag + 1)
     actor = build_learner_actor(model)
-    loss_module = make_loss(actor, LossConfig(**cfg.loss), old_from_current=True)
+    loss_module = one_update_loss(actor, LossConfig(**cfg.loss))  # as the learner builds it
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     grouping = MCAdvantage(grpo_size=cfg.grpo_size, prompt_key=GROUP_KEY, trajectory_return="sum")
     task = CopyFirstDigitTask(seed=cfg.seed)
@@ -100,7 +100,7 @@ def ceiling(cfg: RunConfig, target: float, max_steps: int, lag: int = 0) -> dict
                         groups.append(out)
                 index += 1
         rows = lazy_stack([row for g in groups for row in g.unbind(0)])
-        batch = build_loss_batch(rows, actor=actor, recompute_old=False)
+        batch = build_loss_batch(rows, actor=actor, recompute_old=not loss_module.old_from_current)
         ess.append(train_step(loss_module, optimizer, batch, micro_batches=cfg.micro_batches).get("is/ess"))
         if lag:
             past.append(copy.deepcopy(model.state_dict()))

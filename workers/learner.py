@@ -19,7 +19,7 @@ from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter
 
 from rbpipe.demo.policy import build_learner_actor
-from rbpipe.loss import build_loss_batch, make_loss, train_step
+from rbpipe.loss import build_loss_batch, one_update_loss, train_step
 from rbpipe.loss.batch import auto_micro_batches, row_sums
 from rbpipe.model.device import autocast
 from rbpipe.model.truncation import truncated_fraction, warn_truncated
@@ -76,9 +76,8 @@ def _train(client: LearnerClient) -> None:
     if loss_cfg.kl_coef:
         ref_model = copy.deepcopy(model).requires_grad_(False)
         ref_actor = build_learner_actor(ref_model, tokenizer)
-    probe = make_loss(actor, loss_cfg, ref_actor=ref_actor)
-    recompute_old = probe.needs_old_for_mask  # else lp_old = lp.detach(): identical with one update per batch
-    loss_module = make_loss(actor, loss_cfg, ref_actor=ref_actor, old_from_current=not recompute_old)
+    loss_module = one_update_loss(actor, loss_cfg, ref_actor=ref_actor)
+    recompute_old = not loss_module.old_from_current  # the loss mask needs lp_old before the step
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sampler = FreshGroupSampler(num_groups=cfg.groups_per_step, max_staleness=cfg.max_policy_lag,
                                 order=cfg.sample_order)

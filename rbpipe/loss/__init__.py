@@ -14,9 +14,10 @@ from rbpipe.loss.module import (
     RbpipeDAPOLoss,
     RbpipeGRPOLoss,
     make_loss,
+    one_update_loss,
 )
 
 __all__ = ["policy_loss", "kl_penalty", "aggregate", "rollout_importance_weights", "train_policy_metrics",
            "LossConfig", "MetricsAccumulator", "RbpipeGRPOLoss", "RbpipeDAPOLoss", "RbpipeCISPOLoss",
-           "LOSS_CLASSES", "LossInputError", "make_loss", "build_loss_batch", "step_counts", "train_step",
-           "REF_KEY", "ROLLOUT_FULL_KEY"]
+           "LOSS_CLASSES", "LossInputError", "make_loss", "one_update_loss", "build_loss_batch", "step_counts",
+           "train_step", "REF_KEY", "ROLLOUT_FULL_KEY"]

@@ -228,3 +228,13 @@ def make_loss(actor, cfg: LossConfig, ref_actor=None, *, old_from_current: bool 
         raise ConfigError(f"kl_coef={cfg.kl_coef} needs a reference policy: pass ref_actor (a frozen copy of the "
                           "initial policy, e.g. build_learner_actor(copy.deepcopy(model).requires_grad_(False)))")
     return LOSS_CLASSES[cfg.loss](actor, cfg, ref_actor=ref_actor, old_from_current=old_from_current)
+
+
+def one_update_loss(actor, cfg: LossConfig, ref_actor=None) -> RbpipeGRPOLoss:
+    """:func:`make_loss` for a learner that takes one optimizer step per batch (rbpipe's learner, the benchmark's
+    one-process loop): ``lp_old`` is ``lp.detach()``, identical to a recomputed one and a forward pass cheaper,
+    except where the loss mask needs ``lp_old`` before the step (rollout-IS masking or veto). Build its batches
+    with ``build_loss_batch(..., recompute_old=not loss.old_from_current)``."""
+    loss = make_loss(actor, cfg, ref_actor=ref_actor)
+    loss.old_from_current = not loss.needs_old_for_mask
+    return loss

@@ -20,6 +20,7 @@ from rbpipe.loss import (
     RbpipeGRPOLoss,
     build_loss_batch,
     make_loss,
+    one_update_loss,
     train_step,
 )
 from rbpipe.loss.batch import _response_mask, step_counts
@@ -258,6 +259,19 @@ def test_old_from_current_matches_recomputed_lp_old(setup):
     with pytest.raises(ConfigError, match="recompute_old"):
         masking = LossConfig(rollout_is="token", rollout_is_mode="mask", rollout_is_threshold=(0.5, 2.0))
         train_step(make_loss(actor, masking, old_from_current=True), opt, lazy)
+
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_a_one_update_learner_recomputes_lp_old_only_where_the_mask_needs_it(setup, mode):
+    """``one_update_loss`` (the learner's and the benchmark loop's): ``lp_old`` from the current pass when rollout
+    IS only truncates, a recomputed one when it masks; the step runs either way (it raised with masking before)."""
+    model, actor = setup
+    loss = one_update_loss(actor, LossConfig(rollout_is="token", rollout_is_mode=mode, rollout_is_threshold=(0, 5)))
+    assert loss.old_from_current == (mode == "truncate")
+    batch = build_loss_batch(rows(model), actor=actor, recompute_old=not loss.old_from_current)
+    metrics = train_step(loss, torch.optim.SGD(model.parameters(), lr=0.0), batch)
+    assert metrics["valid_tokens"] == _response_mask(batch).sum().item()  # same weights: nothing above the cap
 
 
 def test_the_loss_leaves_its_input_as_it_was_and_the_same_value_either_way(setup):

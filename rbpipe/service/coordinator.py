@@ -171,7 +171,7 @@ class Coordinator:
             self._state.save(self._share_out(fresh))
 
     def _save_live(self) -> None:
-        """Save what only a restarted coordinator needs (who holds what, the learner's progress, the counts so far)."""
+        """Save what only a restarted coordinator needs (who holds which unit, ids, the learner, the endpoint)."""
         if self._restartable:
             self._save()
 

@@ -31,11 +31,13 @@ from rbpipe.trajectory import FINISH_REASON_KEY
 
 
 def run_collector(target: str | Path, collector_id: int | None = None, *, task: str | None = None,
-                  model: str | None = None, authkey_file: str | None = None, log=print, announce: bool = True) -> None:
+                  model: str | None = None, authkey_file: str | None = None, log=print,
+                  announce: bool = True) -> str | None:
     """Generate and hand over work units until the service asks its workers to stop, or SIGTERM: that abandons
     a generation in progress at the policy's next forward pass (a real model's round takes seconds, longer than
     the launcher waits) and leaves cleanly; a hand-over in progress finishes first. It tunes its process for the
-    loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage collection) once set up."""
+    loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage collection) once set up.
+    Returns the signal that stopped it (``"SIGTERM"``), or None when the service asked."""
     torch.set_num_threads(1)  # one core per process; avoids oversubscription on small machines
     client = CollectorClient(target, authkey_file=authkey_file, collector_id=collector_id, task=task, model=model)
     stop: StepStop | None = None
@@ -100,6 +102,7 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
         if stop is not None:
             stop.close()
         client.close()
+    return stop.signal_name if stop is not None else None
 
 
 def _warn(line: str) -> None:

@@ -43,20 +43,20 @@ SNAPSHOT_LIMIT_BYTES = 256e6
 
 
 def run_learner(target: str | Path, *, authkey_file: str | None = None, model: str | None = None,
-                task: str | None = None, log=print, announce: bool = True, restarted: bool = False) -> None:
+                task: str | None = None, log=print, announce: bool = True, restarted: bool = False) -> str | None:
     """Attach to the service at ``target`` as its learner and train until its ``steps`` (or target reward).
 
     ``restarted``: this process replaces a learner that died (a learner actor restarted by Ray): it waits for
     the dead one's lease to expire instead of being refused the learner role, then resumes from the checkpoint.
 
     It tunes its process for the loop: one torch thread, and :func:`rbpipe.system.procs.settle_heap` (garbage
-    collection) once set up."""
+    collection) once set up. Returns the signal that stopped it (``"SIGTERM"``), or None."""
     torch.set_num_threads(1)
     client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task, wait_for_role=restarted)
     try:
         if announce or restarted:
             log(f"[learner] {'restarted: re-attached' if restarted else 'attached'} to {client.run_dir}")
-        _train(client)
+        return _train(client)
     finally:
         client.close()
 
@@ -66,7 +66,7 @@ def warn(line: str) -> None:
     print(f"[learner] {line}", file=sys.stderr, flush=True)
 
 
-def _train(client: LearnerClient) -> None:
+def _train(client: LearnerClient) -> str | None:
     cfg, run_dir, storage, limiter = client.config, client.run_dir, client.storage, client.limiter
     # --model PATH or the built-in one, on --device with float32 master weights (the forward autocasts to --dtype)
     model, tokenizer = cfg.learner_model_and_tokenizer()
@@ -207,6 +207,7 @@ def _train(client: LearnerClient) -> None:
     # launcher) only set the flag: the default action would have killed this process in the middle of the write
     client.report(done=1)
     stop.close()
+    return stop.signal_name
 
 
 class _Stopping:

@@ -492,12 +492,15 @@ def _worker(args) -> int:
     if args.command == "collector":
         from rbpipe.workers.collector import run_collector
 
-        run_collector(args.connect, args.collector_id, **kw)
+        stopped_by = run_collector(args.connect, args.collector_id, **kw)
     else:
         from rbpipe.workers.learner import run_learner
 
-        run_learner(args.connect, **kw)
-    print(f"rbpipe {args.command}: done (the service asked its workers to stop)", flush=True)
+        stopped_by = run_learner(args.connect, **kw)
+    if stopped_by:  # it took the signal where that was safe and left the service cleanly
+        print(f"rbpipe {args.command}: stopped by {stopped_by}; it left the service cleanly", flush=True)
+    else:
+        print(f"rbpipe {args.command}: done (the service asked its workers to stop)", flush=True)
     return 0
 
 

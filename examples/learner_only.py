@@ -15,7 +15,7 @@ from torchrl.data import ReplayBuffer
 
 from rbpipe.config import RunConfig
 from rbpipe.demo.policy import build_learner_actor
-from rbpipe.loss import build_loss_batch, make_loss, train_step
+from rbpipe.loss import build_loss_batch, one_update_loss, train_step
 from rbpipe.sampling import FreshGroupSampler
 from rbpipe.storage import collate_identity, open_storage
 
@@ -24,7 +24,7 @@ def main(store: str, steps: int = 5, groups_per_step: int = 4) -> None:
     cfg = RunConfig()  # the built-in model and the default loss; pass your own settings here
     model, tokenizer = cfg.make_model_and_tokenizer()
     actor = build_learner_actor(model, tokenizer)
-    loss_module = make_loss(actor, cfg.loss_config(), old_from_current=True)
+    loss_module = one_update_loss(actor, cfg.loss_config())  # one optimizer step per batch, as rbpipe's learner
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     storage = open_storage(store)
     grpo_size = int(storage.group_spans()[0, 2] - storage.group_spans()[0, 1])
@@ -36,7 +36,8 @@ def main(store: str, steps: int = 5, groups_per_step: int = 4) -> None:
             print(f"only {sampler.available_groups(storage)} unread groups left; stopping")
             break
         rows = buffer.sample()
-        metrics = train_step(loss_module, optimizer, build_loss_batch(rows, actor=actor))
+        batch = build_loss_batch(rows, actor=actor, recompute_old=not loss_module.old_from_current)
+        metrics = train_step(loss_module, optimizer, batch)
         print(f"step {step + 1}: {len(rows)} rows, mean reward {float(rows['next', 'reward'].mean()):.3f}, "
               f"clip fraction {metrics.get('clip_fraction', float('nan')):.3f}")
 

@@ -497,10 +497,10 @@ def _worker(args) -> int:
         from rbpipe.workers.learner import run_learner
 
         stopped_by = run_learner(args.connect, **kw)
-    if stopped_by:  # it took the signal where that was safe and left the service cleanly
-        print(f"rbpipe {args.command}: stopped by {stopped_by}; it left the service cleanly", flush=True)
-    else:
-        print(f"rbpipe {args.command}: done (the service asked its workers to stop)", flush=True)
+    if stopped_by:  # it took the signal where that was safe and left the service cleanly; 130 as before
+        print(f"rbpipe {args.command}: interrupted ({stopped_by}); it left the service cleanly", flush=True)
+        return 130
+    print(f"rbpipe {args.command}: done (the service asked its workers to stop)", flush=True)
     return 0
 
 

@@ -50,6 +50,36 @@ def test_a_restarted_coordinator_goes_on_with_the_live_service(tmp_path):
     again.close()
 
 
+def test_a_take_or_count_run_again_after_a_restart_acts_once(tmp_path):
+    """Ray resubmits a call that the coordinator's death cut off. When the dead coordinator had journaled it but
+    the answer never reached the collector, the resubmitted call (same lease, same number) must not act twice.
+    A take must give the same units, not a second share: the first ones would stay with that collector, never
+    generated, and their prompts never completed while it lives. A count must not count its trajectories twice
+    (the summary's conservation would no longer balance)."""
+    coord = Coordinator(4, 2, BAND, str(tmp_path), restartable=True)
+    a, b = LEASES.grant(), LEASES.grant()
+    coord.join(a), coord.join(b)
+    first = coord.take_many(a, 2, 0.0, 1)  # journaled; the answer is lost with the process
+    assert first == [{"prompt": 0, "samples": 2}, {"prompt": 1, "samples": 2}]
+    coord.count(3, 1, 0, 0, {"reward_error": 1}, a, 2)  # journaled too, its answer lost
+    _died(a, b)
+
+    again = Coordinator(4, 2, BAND, str(tmp_path), restarted=True, restartable=True)
+    held = dict(again._units)
+    assert again.join(a) == 0  # a join run again keeps the collector's id
+    assert again.take_many(a, 2, 0.0, 1) == first  # the resubmitted call
+    assert dict(again._units) == held and again.status()["next_prompt"] == 2  # nothing more was given
+    assert again.take_many(a, 1, 0.0, 2) == [{"prompt": 2, "samples": 2}]  # its next ask gets new work
+    assert again.take_many(b, 2, 0.0, 1) == first  # b's own first ask: the other halves of prompts 0 and 1
+    again.count(3, 1, 0, 0, {"reward_error": 1}, a, 2)  # the resubmitted count
+    status = again.status()
+    assert (status["produced"], status["rejected"], status["rejected_reasons"]) == (3, 1, {"reward_error": 1})
+    again.count(2, 0, 0, 0, None, a, 4)  # a's next count is counted
+    again.count(2, 0, 0, 0, None, b, 2)  # b numbers its own calls
+    assert again.status()["produced"] == 7
+    again.close()
+
+
 def test_a_resumed_service_hands_the_last_sessions_units_out_again(tmp_path):
     """The contrast: a new session (``rbpipe serve --resume``) does not know the last session's collectors."""
     coord = Coordinator(4, 2, BAND, str(tmp_path))

@@ -140,6 +140,7 @@ class CollectorClient(_Attached):
                                          **cfg.grouping_kwargs())
         self._wanted_id = collector_id
         self._unreported_ns = {"generate_ns": 0, "handover_ns": 0}  # sent with the next count
+        self._asks = 0  # numbers each take and count: one that Ray runs twice (a resubmission) acts once
         self._join()
         self._model: torch.nn.Module | None = None
 
@@ -172,7 +173,8 @@ class CollectorClient(_Attached):
         return units
 
     def _take_many(self, max_units: int, wait_s: float) -> list[dict] | dict:
-        return self._call("take_many", self.lease, max_units, wait_s)
+        self._asks += 1
+        return self._call("take_many", self.lease, max_units, wait_s, self._asks)
 
     def extend(self, trajectories) -> None:
         """Hand trajectories over: one (a [T] TensorDict), a [B, T] batch, or a list (e.g. a work unit's
@@ -195,7 +197,7 @@ class CollectorClient(_Attached):
             self.buffer.extend(trajs)  # all or nothing: validated before any is staged
         except BadTrajectoryError as err:
             if len(trajs) == 1:
-                self._call("count", 0, 1)
+                self._numbered_count(0, 1)
                 raise _rejected(err, 1, [0]) from None
             self._extend_each(trajs)  # isolate the bad ones; the good ones are still handed over
         finally:
@@ -209,7 +211,7 @@ class CollectorClient(_Attached):
             except BadTrajectoryError as err:
                 errors.append(err)
                 bad.append(i)
-        self._call("count", 0, len(errors))
+        self._numbered_count(0, len(errors))
         if errors:
             raise _rejected(BadTrajectoryError(f"{len(errors)} of {len(trajs)} trajectories rejected: {errors[0]}"),
                             len(errors), bad)
@@ -218,7 +220,12 @@ class CollectorClient(_Attached):
         """Count trajectories as produced *before* handing them over, with the time spent since the last count:
         a collector killed in between loses at most this call (the summary's ``lost_in_flight``)."""
         pending, self._unreported_ns = self._unreported_ns, {"generate_ns": 0, "handover_ns": 0}
-        self._call("count", produced, rejected, pending["generate_ns"], pending["handover_ns"])
+        self._numbered_count(produced, rejected, pending["generate_ns"], pending["handover_ns"])
+
+    def _numbered_count(self, produced: int, rejected: int, generate_ns: int = 0, handover_ns: int = 0,
+                        reasons: dict | None = None) -> None:
+        self._asks += 1  # numbered as takes are: a count Ray runs twice is counted once
+        self._call("count", produced, rejected, generate_ns, handover_ns, reasons, self.lease, self._asks)
 
     def add_generate_time(self, ns: int) -> None:
         """Time spent generating (reported with the next hand-over; the service sums it for the summary)."""
@@ -230,7 +237,7 @@ class CollectorClient(_Attached):
         reason in its ``rejected_reasons``."""
         n = sum(int(v) for v in reasons.values())
         if n:
-            self._call("count", n, n, 0, 0, {str(k): int(v) for k, v in reasons.items()})
+            self._numbered_count(n, n, 0, 0, {str(k): int(v) for k, v in reasons.items()})
 
     def skip(self, prompt: int, n: int = 1) -> None:
         """``n`` samples of the current unit of ``prompt`` that will not be handed over (rejected)."""

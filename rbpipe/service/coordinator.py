@@ -66,8 +66,9 @@ class Coordinator:
             the live service's state comes back from ``prompts.json`` whole (units still held by their
             collectors, collector ids, the learner's progress, the band's file), not as a resume would take it.
         restartable: the engine restarts this coordinator's process if it dies (Ray, with a log directory), so
-            ``prompts.json`` also records every take, join and learner report for ``restarted``. Otherwise it
-            is written where a resume needs it (a new prompt opened, a hand-over and its count, close).
+            ``prompts.json`` also records every take (with its answer), join and learner report for
+            ``restarted``. Otherwise it is written where a resume needs it (a new prompt opened, a hand-over and
+            its count, close).
 
     Examples:
         >>> import tempfile
@@ -111,6 +112,8 @@ class Coordinator:
         self._totals = {"produced": 0, "rejected": 0, "dropped_groups": 0}  # earlier sessions of this run
         self._reasons: dict[str, int] = {}  # rejected samples by reason (prompt_too_long, reward_error...), run-wide
         self._blocked_since: dict[str, int] = {}
+        self._answers: dict[str, list] = {}  # lease -> [its last numbered take, the units it was given]
+        self._counted: dict[str, int] = {}  # lease -> the number of its last count
         self._learner: dict[str, Any] = {name: 0 for name in LEARNER_FIELDS}
         self._endpoint: dict = {}
         self._stop = False
@@ -159,6 +162,8 @@ class Coordinator:
         self._learner.update({k: v for k, v in live.get("learner", {}).items() if k in LEARNER_FIELDS})
         self._learner_lease = live.get("learner_lease")
         self._endpoint = dict(live.get("endpoint", {}))
+        self._answers = {str(lease): [int(ask), list(units)] for lease, (ask, units) in live.get("answers", {}).items()}
+        self._counted = {str(lease): int(ask) for lease, ask in live.get("counted", {}).items()}
         for lease in self._holders | ({self._learner_lease} if self._learner_lease else set()):
             LEASES.adopt(lease)
 
@@ -187,15 +192,20 @@ class Coordinator:
         live = {"totals": dict(self._totals), "counts": dict(self._counts),
                 "units": [[p, lease, n] for (p, lease), n in self._units.items()],
                 "ids": dict(self._ids), "next_id": self._next_id, "joined": sorted(self._joined - set(self._ids)),
-                "learner": dict(self._learner), "learner_lease": self._learner_lease, "endpoint": self._endpoint}
+                "learner": dict(self._learner), "learner_lease": self._learner_lease, "endpoint": self._endpoint,
+                "answers": {lease: answer for lease, answer in self._answers.items() if lease in self._ids},
+                "counted": {lease: ask for lease, ask in self._counted.items() if lease in self._ids}}
         return {"next_prompt": self.next_prompt, "totals": totals, "rejected_reasons": dict(self._reasons),
                 "todo": {str(p): n for p, n in sorted(todo.items())}, "live": live}
 
     # -- collectors --------------------------------------------------------------------------------------------
     def join(self, lease: str, collector_id: int | None = None) -> int:
         """A collector joins under ``lease``; returns its collector id (``collector_id`` if given: ``rbpipe run``
-        keeps a restarted collector's id, else the next free one)."""
+        keeps a restarted collector's id, else the next free one). A lease that joined already keeps its id (a
+        join Ray ran again on a restarted coordinator)."""
         with self._lock:
+            if collector_id is None and lease in self._ids:
+                return self._ids[lease]
             if collector_id is None:  # never an id used before in this service: stored data tells collectors apart
                 collector_id = self._next_id
             self._next_id = max(self._next_id, int(collector_id) + 1)
@@ -212,10 +222,15 @@ class Coordinator:
         units = self.take_many(lease, 1)
         return units if isinstance(units, dict) else (units[0] if units else None)
 
-    def take_many(self, lease: str, max_units: int, wait_s: float = 0.0) -> list[dict] | dict:
+    def take_many(self, lease: str, max_units: int, wait_s: float = 0.0, ask: int | None = None) -> list[dict] | dict:
         """Up to ``max_units`` units for ``lease`` in one call, each of another prompt: a collector generates
         them in one batched forward and hands them over in one call. ``[]`` while the band is full; a dead or
         unknown lease gets ``{"lease": "expired"}``. A prompt's units still go to different collectors.
+
+        ``ask``: the caller's number for this call (a collector counts its asks). The same number from the same
+        lease again gets the same units, not more: Ray resubmits a call that a coordinator's death cut off, and
+        when the dead coordinator had already journaled that take, the units it gave are still that
+        collector's (a restarted coordinator keeps them), though the answer never reached it.
 
         ``wait_s`` (at most :data:`MAX_TAKE_WAIT_S`): while the band is full, wait up to this long for the
         learner to move it (or a collector to leave) instead of returning ``[]`` at once: the collector starts
@@ -225,14 +240,25 @@ class Coordinator:
             return {"lease": "expired"}
         deadline = time.monotonic() + min(max(float(wait_s), 0.0), MAX_TAKE_WAIT_S)
         with self._lock:
+            again = self._answer_again(lease, ask)
+            if again is not None:
+                return again
             while True:
-                units = self._take_locked(lease, max_units)
+                units = self._take_locked(lease, max_units, ask)
                 remaining = deadline - time.monotonic()
                 if units or remaining <= 0 or self._stop:
                     return units
                 self._changed.wait(remaining)
 
-    def _take_locked(self, lease: str, max_units: int) -> list[dict]:
+    def _answer_again(self, lease: str, ask: int | None) -> list[dict] | None:
+        """The units already given to ``lease`` for ``ask``, while it still holds them all; else None."""
+        if ask is None or lease not in self._answers:
+            return None
+        last, units = self._answers[lease]
+        held = all(self._units.get((unit["prompt"], lease), 0) > 0 for unit in units)
+        return [dict(unit) for unit in units] if last == int(ask) and held else None
+
+    def _take_locked(self, lease: str, max_units: int, ask: int | None = None) -> list[dict]:
         self._reclaim()
         opened = self.next_prompt
         taken: dict[int, int] = {}  # prompt -> samples (a collector alone may get a prompt's units at once)
@@ -253,11 +279,14 @@ class Coordinator:
         if since is not None:
             self._counts["insert_blocked_ns"] += now - since
         self._counts["units"] += len(taken)
+        units = [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
+        if ask is not None:  # journaled with the take itself: the answer survives the coordinator's death
+            self._answers[lease] = [int(ask), units]
         if self.next_prompt != opened:  # the total owed changed (a resume needs it)
             self._save()
         else:  # samples moved from the pool to a unit: a restarted coordinator must know who holds which
             self._save_live()
-        return [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
+        return [dict(unit) for unit in units]
 
     def _pick(self, lease: str) -> tuple[int, int] | None:
         """Oldest open prompt first; a prompt's units go to different collectors while another live collector
@@ -311,6 +340,8 @@ class Coordinator:
                 self._counts["lost_leases"] += 1
             self._released.discard(lease)
             self._blocked_since.pop(lease, None)
+            self._answers.pop(lease, None)
+            self._counted.pop(lease, None)
             self._ids.pop(lease, None)
         self._holders -= dead
         if back:
@@ -407,10 +438,18 @@ class Coordinator:
 
     # -- counters and progress ---------------------------------------------------------------------------------
     def count(self, produced: int = 0, rejected: int = 0, generate_ns: int = 0, handover_ns: int = 0,
-              reasons: dict | None = None) -> None:
+              reasons: dict | None = None, lease: str | None = None, ask: int | None = None) -> None:
         """Collectors' counts and where their time went (generating; handing over to the buffer); ``reasons``:
-        why samples were rejected (``{reason: n}``, e.g. a reward that raised), summed run-wide."""
+        why samples were rejected (``{reason: n}``, e.g. a reward that raised), summed run-wide.
+
+        ``lease``, ``ask``: the collector's lease and its number for this call (as :meth:`take_many`'s): a count
+        whose number that lease already reported (Ray resubmitting a call the coordinator's death cut off, after
+        the dead one had journaled it) is not counted twice."""
         with self._lock:
+            if lease is not None and ask is not None:
+                if int(ask) <= self._counted.get(lease, 0):
+                    return
+                self._counted[lease] = int(ask)
             for reason, n in (reasons or {}).items():
                 self._reasons[str(reason)] = self._reasons.get(str(reason), 0) + int(n)
             self._counts["largest_handover"] = max(self._counts["largest_handover"], int(produced))

@@ -56,11 +56,11 @@ def run_collector(target: str | Path, collector_id: int | None = None, *, task: 
                             task_label=cfg.task_label, generator=gen,
                             log=lambda line: _warn(f"[collector {client.collector_id}] {line}"),
                             record_finish_reason=_store_takes(client.storage, FINISH_REASON_KEY))
-        if announce:
+        stop = StepStop(policy, what="the collector's generation").install()
+        if announce:  # only now: from here on SIGTERM leaves cleanly (before, it interrupts the setup)
             log(f"[collector {client.collector_id}] attached to {client.run_dir}")
         settle_heap()
         memory = PeakMemory(client.run_dir, f"collector {client.collector_id}")  # summary.json's peak_rss_mb
-        stop = StepStop(policy, what="the collector's generation").install()
         delay, rounds = fault_hooks.generate_delay(), 0
         while not client.stop_requested() and not stop.requested:
             # a learner step's worth of prompts at once (one unit of each): generated in one batch and handed

@@ -53,10 +53,9 @@ def run_learner(target: str | Path, *, authkey_file: str | None = None, model: s
     collection) once set up. Returns the signal that stopped it (``"SIGTERM"``), or None."""
     torch.set_num_threads(1)
     client = LearnerClient(target, authkey_file=authkey_file, model=model, task=task, wait_for_role=restarted)
+    attached = f"[learner] {'restarted: re-attached' if restarted else 'attached'} to {client.run_dir}"
     try:
-        if announce or restarted:
-            log(f"[learner] {'restarted: re-attached' if restarted else 'attached'} to {client.run_dir}")
-        return _train(client)
+        return _train(client, (lambda: log(attached)) if announce or restarted else (lambda: None))
     finally:
         client.close()
 
@@ -66,7 +65,9 @@ def warn(line: str) -> None:
     print(f"[learner] {line}", file=sys.stderr, flush=True)
 
 
-def _train(client: LearnerClient) -> str | None:
+def _train(client: LearnerClient, announce: Callable[[], None]) -> str | None:
+    """The learner's loop; ``announce()`` once SIGTERM abandons a step cleanly (before that it interrupts the
+    setup), so that whoever waits for the "attached" line may stop it cleanly from then on."""
     cfg, run_dir, storage, limiter = client.config, client.run_dir, client.storage, client.limiter
     # --model PATH or the built-in one, on --device with float32 master weights (the forward autocasts to --dtype)
     model, tokenizer = cfg.learner_model_and_tokenizer()
@@ -126,6 +127,7 @@ def _train(client: LearnerClient) -> str | None:
     # SIGTERM abandons the step in progress where that is safe (rbpipe.system.step_stop); a stop the service asks for
     # (Ctrl-C of `rbpipe run`) lets it finish
     stop = StepStop(model, optimizer).install()
+    announce()
     delay, held = fault_hooks.step_delay(), fault_hooks.hold_after_step()
     if delay:
         model.register_forward_pre_hook(lambda module, args: stop.sleep(delay))

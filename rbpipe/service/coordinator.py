@@ -27,27 +27,14 @@ from rbpipe.grouping.leases import LEASES
 from rbpipe.rate_limit import RateLimiter
 from rbpipe.rundir import PROMPTS, RATE_LIMIT
 from rbpipe.service.api import COORDINATOR_EXPOSED
+from rbpipe.service.call_numbers import CallNumbers
 from rbpipe.service.journal import StateJournal
+from rbpipe.service.registry_stats import CachedStats
 from rbpipe.timing import MAX_TAKE_WAIT_S, STATS_CACHE_S
 
 #: learner fields a learner may report (all ints but ``phase``/``busy``): unknown names are refused
 LEARNER_FIELDS = ("step", "done", "phase", "consumed_groups", "stale_groups", "stale_trajectories",
                   "sample_blocked_ns", "start_step")  # start_step: the checkpoint step the learner started from
-
-
-class CachedStats:
-    """What the coordinator reads of the registry, at most every ``ttl_s``: it reads the dropped groups on every
-    change, and a registry's counters cost a pass over all of its shards (a Ray call to each, for Ray's)."""
-
-    def __init__(self, registry, ttl_s: float) -> None:
-        self.registry, self.ttl_s, self._at = registry, float(ttl_s), -1e9
-        self._stats: dict[str, Any] = {}
-
-    def get_stats(self, fresh: bool = False) -> dict:
-        now = time.monotonic()
-        if fresh or now - self._at > self.ttl_s:
-            self._stats, self._at = self.registry.get_stats(fresh=fresh), now
-        return self._stats
 
 
 class Coordinator:
@@ -112,8 +99,7 @@ class Coordinator:
         self._totals = {"produced": 0, "rejected": 0, "dropped_groups": 0}  # earlier sessions of this run
         self._reasons: dict[str, int] = {}  # rejected samples by reason (prompt_too_long, reward_error...), run-wide
         self._blocked_since: dict[str, int] = {}
-        self._answers: dict[str, list] = {}  # lease -> [its last numbered take, the units it was given]
-        self._counted: dict[str, int] = {}  # lease -> the number of its last count
+        self._calls = CallNumbers()  # a take or count that Ray runs again acts once
         self._learner: dict[str, Any] = {name: 0 for name in LEARNER_FIELDS}
         self._endpoint: dict = {}
         self._stop = False
@@ -162,8 +148,7 @@ class Coordinator:
         self._learner.update({k: v for k, v in live.get("learner", {}).items() if k in LEARNER_FIELDS})
         self._learner_lease = live.get("learner_lease")
         self._endpoint = dict(live.get("endpoint", {}))
-        self._answers = {str(lease): [int(ask), list(units)] for lease, (ask, units) in live.get("answers", {}).items()}
-        self._counted = {str(lease): int(ask) for lease, ask in live.get("counted", {}).items()}
+        self._calls = CallNumbers(live)
         for lease in self._holders | ({self._learner_lease} if self._learner_lease else set()):
             LEASES.adopt(lease)
 
@@ -193,8 +178,7 @@ class Coordinator:
                 "units": [[p, lease, n] for (p, lease), n in self._units.items()],
                 "ids": dict(self._ids), "next_id": self._next_id, "joined": sorted(self._joined - set(self._ids)),
                 "learner": dict(self._learner), "learner_lease": self._learner_lease, "endpoint": self._endpoint,
-                "answers": {lease: answer for lease, answer in self._answers.items() if lease in self._ids},
-                "counted": {lease: ask for lease, ask in self._counted.items() if lease in self._ids}}
+                **self._calls.saved(self._ids)}
         return {"next_prompt": self.next_prompt, "totals": totals, "rejected_reasons": dict(self._reasons),
                 "todo": {str(p): n for p, n in sorted(todo.items())}, "live": live}
 
@@ -227,10 +211,8 @@ class Coordinator:
         them in one batched forward and hands them over in one call. ``[]`` while the band is full; a dead or
         unknown lease gets ``{"lease": "expired"}``. A prompt's units still go to different collectors.
 
-        ``ask``: the caller's number for this call (a collector counts its asks). The same number from the same
-        lease again gets the same units, not more: Ray resubmits a call that a coordinator's death cut off, and
-        when the dead coordinator had already journaled that take, the units it gave are still that
-        collector's (a restarted coordinator keeps them), though the answer never reached it.
+        ``ask``: the caller's number for this call; the same number from the same lease again gets the same
+        units, not more (a call Ray ran again on a restarted coordinator, :mod:`rbpipe.service.call_numbers`).
 
         ``wait_s`` (at most :data:`MAX_TAKE_WAIT_S`): while the band is full, wait up to this long for the
         learner to move it (or a collector to leave) instead of returning ``[]`` at once: the collector starts
@@ -240,7 +222,7 @@ class Coordinator:
             return {"lease": "expired"}
         deadline = time.monotonic() + min(max(float(wait_s), 0.0), MAX_TAKE_WAIT_S)
         with self._lock:
-            again = self._answer_again(lease, ask)
+            again = self._calls.take_again(lease, ask, lambda unit: self._units.get((unit["prompt"], lease), 0) > 0)
             if again is not None:
                 return again
             while True:
@@ -249,14 +231,6 @@ class Coordinator:
                 if units or remaining <= 0 or self._stop:
                     return units
                 self._changed.wait(remaining)
-
-    def _answer_again(self, lease: str, ask: int | None) -> list[dict] | None:
-        """The units already given to ``lease`` for ``ask``, while it still holds them all; else None."""
-        if ask is None or lease not in self._answers:
-            return None
-        last, units = self._answers[lease]
-        held = all(self._units.get((unit["prompt"], lease), 0) > 0 for unit in units)
-        return [dict(unit) for unit in units] if last == int(ask) and held else None
 
     def _take_locked(self, lease: str, max_units: int, ask: int | None = None) -> list[dict]:
         self._reclaim()
@@ -280,8 +254,7 @@ class Coordinator:
             self._counts["insert_blocked_ns"] += now - since
         self._counts["units"] += len(taken)
         units = [{"prompt": prompt, "samples": n} for prompt, n in taken.items()]
-        if ask is not None:  # journaled with the take itself: the answer survives the coordinator's death
-            self._answers[lease] = [int(ask), units]
+        self._calls.took(lease, ask, units)  # journaled with the take itself: it survives the coordinator's death
         if self.next_prompt != opened:  # the total owed changed (a resume needs it)
             self._save()
         else:  # samples moved from the pool to a unit: a restarted coordinator must know who holds which
@@ -340,8 +313,7 @@ class Coordinator:
                 self._counts["lost_leases"] += 1
             self._released.discard(lease)
             self._blocked_since.pop(lease, None)
-            self._answers.pop(lease, None)
-            self._counted.pop(lease, None)
+            self._calls.forget(lease)
             self._ids.pop(lease, None)
         self._holders -= dead
         if back:
@@ -442,14 +414,11 @@ class Coordinator:
         """Collectors' counts and where their time went (generating; handing over to the buffer); ``reasons``:
         why samples were rejected (``{reason: n}``, e.g. a reward that raised), summed run-wide.
 
-        ``lease``, ``ask``: the collector's lease and its number for this call (as :meth:`take_many`'s): a count
-        whose number that lease already reported (Ray resubmitting a call the coordinator's death cut off, after
-        the dead one had journaled it) is not counted twice."""
+        ``lease``, ``ask``: the collector's lease and its number for this call; a number that lease already
+        counted is not counted again (a call Ray ran again, :mod:`rbpipe.service.call_numbers`)."""
         with self._lock:
-            if lease is not None and ask is not None:
-                if int(ask) <= self._counted.get(lease, 0):
-                    return
-                self._counted[lease] = int(ask)
+            if not self._calls.first_count(lease, ask):
+                return
             for reason, n in (reasons or {}).items():
                 self._reasons[str(reason)] = self._reasons.get(str(reason), 0) + int(n)
             self._counts["largest_handover"] = max(self._counts["largest_handover"], int(produced))
@@ -514,22 +483,3 @@ class Coordinator:
             self._state.close(self._share_out(fresh=True))  # prompts.json alone holds the final state
         self._limiter.unlink()
 
-
-_COORDINATORS: dict[str, Coordinator] = {}
-_COORDINATORS_LOCK = threading.Lock()
-
-
-def get_coordinator(name: str, settings: dict | None = None) -> Coordinator:
-    """Manager-side factory: the coordinator of registry ``name`` (created with ``settings`` on first use),
-    which the registry then tells about every append."""
-    from rbpipe.grouping.registry import get_registry
-
-    with _COORDINATORS_LOCK:
-        coord = _COORDINATORS.get(name)
-        if coord is None:
-            if settings is None:
-                raise KeyError(f"no coordinator named {name!r} in this service")
-            registry = get_registry(name)
-            coord = _COORDINATORS[name] = Coordinator(**settings, registry=registry)
-            registry.on_append = coord.appended_many
-        return coord

@@ -9,6 +9,7 @@ through :data:`CoordinatorProxy`'s module, and so registers the same.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 from multiprocess.managers import MakeProxyType, RemoteError
@@ -30,10 +31,25 @@ class ServiceHost(RegistryHost, Protocol):
     def shutdown(self) -> None: ...
 
 
-def _get_coordinator(name: str, settings: dict | None = None):
-    from rbpipe.service.coordinator import get_coordinator  # manager-side: only a service's manager builds one
+_COORDINATORS: dict[str, Any] = {}  # the manager process's coordinators, by registry name
+_COORDINATORS_LOCK = threading.Lock()
 
-    return get_coordinator(name, settings)
+
+def _get_coordinator(name: str, settings: dict | None = None):
+    """Manager-side factory: the coordinator of registry ``name`` (created with ``settings`` on first use),
+    which the registry then tells about every append."""
+    from rbpipe.grouping.registry import get_registry
+    from rbpipe.service.coordinator import Coordinator  # manager-side: only a service's manager builds one
+
+    with _COORDINATORS_LOCK:
+        coord = _COORDINATORS.get(name)
+        if coord is None:
+            if settings is None:
+                raise KeyError(f"no coordinator named {name!r} in this service")
+            registry = get_registry(name)
+            coord = _COORDINATORS[name] = Coordinator(**settings, registry=registry)
+            registry.on_append = coord.appended_many
+        return coord
 
 
 CoordinatorProxy = MakeProxyType("CoordinatorProxy", COORDINATOR_EXPOSED)
